@@ -1,0 +1,353 @@
+"""Turn a captured graph into a chain of blocks: candidate split points, crossing bytes, ties.
+
+A *split point* is the start of a module call, in execution order. The chain is
+chosen by a granularity rule: start from the root's module calls and descend
+into a call while it is a container (``nn.Sequential``, ``nn.ModuleList`` ...)
+or holds more than ``1 / target_blocks`` of the model's work, as long as it has
+module calls inside. Code that sits between calls (residual adds, reshapes in a
+parent's forward) stays in the block before it.
+
+For every split point we compute liveness on the graph: every value defined
+before the point and used at or after it crosses it (skip connections, long
+residuals and model inputs still needed later all count). A split point where a
+non-tensor value (a tuple, a list, a Python number) crosses is excluded: a
+pipeline stage can only send tensors. So is the second call of a module called
+twice: a split point is named by one module FQN.
+
+Tied parameters (one tensor under several names) are found by identity and
+reported with the blocks that use them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch.fx
+from torch import nn
+
+from planner.capture import Captured, ModuleCall, TensorInfo
+
+__all__ = ["Block", "BlockChain", "SplitPointExcluded", "build_blocks"]
+
+log = logging.getLogger(__name__)
+
+_CONTAINERS = (
+    "torch.nn.modules.container.Sequential",
+    "torch.nn.modules.container.ModuleList",
+    "torch.nn.modules.container.ModuleDict",
+)
+
+
+@dataclass(frozen=True)
+class SplitPointExcluded:
+    """A module-call start that cannot be a split point, and why."""
+
+    fqn: str
+    reason: str
+
+
+@dataclass
+class Block:
+    """A contiguous run of graph nodes that starts at a split point.
+
+    Attributes:
+        index: position in the chain.
+        name: the split point (FQN of the module call the block starts with).
+        modules: FQNs of the module calls (at the chosen granularity) inside.
+        nodes: the block's call nodes, in execution order.
+        inputs: values defined outside the block that its nodes read (model
+            inputs or earlier blocks' nodes), in graph order.
+        outputs: the block's values read after the block (by later blocks or the
+            model's output), in graph order.
+        params: attribute targets (``get_attr``) the block reads.
+        boundary_bytes: bytes of every tensor live across this block's start.
+        output_bytes: bytes of ``outputs``.
+        weight: the work estimate the granularity rule used.
+    """
+
+    index: int
+    name: str
+    modules: list[str]
+    nodes: list[torch.fx.Node]
+    inputs: list[torch.fx.Node] = field(default_factory=list)
+    outputs: list[torch.fx.Node] = field(default_factory=list)
+    params: list[str] = field(default_factory=list)
+    boundary_bytes: int = 0
+    output_bytes: int = 0
+    weight: float = 0.0
+
+
+@dataclass
+class BlockChain:
+    """The model as a chain of blocks.
+
+    Attributes:
+        blocks: the chain.
+        tied: groups of parameter FQNs that are one tensor, each with the
+            indices of the blocks that use it.
+        excluded: module-call starts that were candidate split points but are
+            not legal, with the reason.
+        param_owner: for each parameter/buffer attribute target, the canonical
+            FQN (first name of the tensor in ``named_parameters``/``named_buffers``).
+    """
+
+    blocks: list[Block]
+    tied: list[tuple[tuple[str, ...], tuple[int, ...]]]
+    excluded: list[SplitPointExcluded]
+    param_owner: dict[str, str]
+
+    @property
+    def split_points(self) -> list[str]:
+        return [b.name for b in self.blocks[1:]]
+
+
+@dataclass
+class _Call:
+    """A node of the module-call tree."""
+
+    call: ModuleCall
+    first: int  # index of the first call node in the call
+    last: int  # index of the last call node in the call
+    children: list[_Call] = field(default_factory=list)
+    weight: float = 0.0
+
+
+def build_blocks(
+    cap: Captured,
+    model: nn.Module,
+    *,
+    target_blocks: int = 64,
+    node_weight: Callable[[torch.fx.Node], float] | None = None,
+) -> BlockChain:
+    """Cut a captured model into a chain of blocks.
+
+    Example::
+
+        cap = capture(model, (x,))
+        chain = build_blocks(cap, model, target_blocks=64)
+        print([b.name for b in chain.blocks], [b.boundary_bytes for b in chain.blocks])
+
+    Args:
+        cap: the captured graph.
+        model: the model it was captured from (for parameter identity).
+        target_blocks: descend into any module call holding more than
+            ``1/target_blocks`` of the work. Set it to at least the largest
+            pipeline depth you want to balance; larger values give finer chains
+            (and slower solves).
+        node_weight: the work of one call node (e.g. its measured or analytic
+            time); defaults to the bytes the node produces, a cheap proxy.
+
+    Returns:
+        The ``BlockChain``.
+    """
+    if target_blocks < 1:
+        raise ValueError(f"target_blocks must be ≥ 1, got {target_blocks}")
+    ops = list(cap.call_nodes())
+    if not ops:
+        raise ValueError(
+            "the captured graph has no operations: the model's forward computes nothing"
+        )
+    weight_of = node_weight or (lambda n: float(_tensor_bytes(cap, n)) + 1.0)
+    weights = [weight_of(n) for n in ops]
+    pos = {n: i for i, n in enumerate(ops)}
+
+    roots = _call_tree(cap, ops, weights)
+    total = sum(weights)
+    units = _choose_units(roots, total / target_blocks)
+
+    # Values: where defined (position; inputs at -1) and last used.
+    live = _liveness(cap, ops, pos)
+    excluded: list[SplitPointExcluded] = []
+    starts: list[tuple[int, str]] = []
+    seen_fqns: set[str] = set()
+    for unit in units:
+        fqn = unit.call.fqn
+        if fqn in seen_fqns:
+            excluded.append(SplitPointExcluded(fqn, "the module is called more than once"))
+            continue
+        seen_fqns.add(fqn)
+        p = unit.first
+        if not starts:
+            starts.append((0, fqn))
+            continue
+        blocker = _non_tensor_crossing(cap, live, p)
+        if blocker is not None:
+            excluded.append(SplitPointExcluded(fqn, f"a non-tensor value crosses it ({blocker})"))
+            continue
+        starts.append((p, fqn))
+
+    blocks = _make_blocks(cap, ops, pos, weights, units, starts, live)
+    owner, aliases = _param_identity(model)
+    tied = _tied_sets(blocks, owner, aliases, cap)
+    return BlockChain(blocks=blocks, tied=tied, excluded=excluded, param_owner=owner)
+
+
+# --------------------------------------------------------------------------- call tree
+
+
+def _call_tree(cap: Captured, ops: list[torch.fx.Node], weights: list[float]) -> list[_Call]:
+    """The tree of module calls; each call spans [first, last] of ``ops``."""
+    tree = nx.DiGraph()
+    root = ("", "")
+    tree.add_node(root)
+    info: dict[tuple[str, str], _Call] = {}
+    for i, node in enumerate(ops):
+        parent = root
+        for call in cap.stacks.get(node, ()):
+            key = (call.key, call.fqn)
+            if key not in info:
+                info[key] = _Call(call=call, first=i, last=i)
+                tree.add_edge(parent, key)
+            entry = info[key]
+            entry.last = i
+            entry.weight += weights[i]
+            parent = key
+    for key, entry in info.items():
+        entry.children = sorted((info[c] for c in tree.successors(key)), key=lambda c: c.first)
+    return sorted((info[c] for c in tree.successors(root)), key=lambda c: c.first)
+
+
+def _choose_units(roots: list[_Call], max_weight: float) -> list[_Call]:
+    """Descend into containers and into calls heavier than ``max_weight``."""
+    units: list[_Call] = []
+    stack = list(reversed(roots))
+    while stack:
+        unit = stack.pop()
+        heavy = unit.weight > max_weight
+        if unit.children and (unit.call.type_name in _CONTAINERS or heavy):
+            stack.extend(reversed(unit.children))
+            if unit.children[0].first != unit.first:
+                # Code of the call before its first child: keep it as a unit of
+                # its own so that the split point still sits at the call's start.
+                units.append(unit)
+        else:
+            units.append(unit)
+    units.sort(key=lambda u: u.first)
+    return units
+
+
+# --------------------------------------------------------------------------- liveness
+
+
+@dataclass
+class _Live:
+    define: dict[torch.fx.Node, int]  # -1 for model inputs
+    last_use: dict[torch.fx.Node, int]  # len(ops) when the model's output reads it
+
+
+def _liveness(cap: Captured, ops: list[torch.fx.Node], pos: dict[torch.fx.Node, int]) -> _Live:
+    end = len(ops)
+    define: dict[torch.fx.Node, int] = {}
+    last_use: dict[torch.fx.Node, int] = {}
+    for node in cap.gm.graph.nodes:
+        if node.op == "placeholder":
+            define[node] = -1
+        elif node in pos:
+            define[node] = pos[node]
+        else:
+            continue
+        uses = [pos.get(u, end if u.op == "output" else -1) for u in node.users]
+        last_use[node] = max(uses, default=define[node])
+    return _Live(define, last_use)
+
+
+def _crossing(live: _Live, p: int) -> list[torch.fx.Node]:
+    """Values defined before ``p`` and used at or after it."""
+    return [n for n, d in live.define.items() if d < p <= live.last_use[n]]
+
+
+def _non_tensor_crossing(cap: Captured, live: _Live, p: int) -> str | None:
+    for node in _crossing(live, p):
+        info = cap.values.get(node)
+        if not isinstance(info, TensorInfo):
+            return f"'{node.name}' is a {info or 'value of unknown type'}"
+    return None
+
+
+def _tensor_bytes(cap: Captured, node: torch.fx.Node) -> int:
+    info = cap.values.get(node)
+    return info.nbytes if isinstance(info, TensorInfo) else 0
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def _make_blocks(
+    cap: Captured,
+    ops: list[torch.fx.Node],
+    pos: dict[torch.fx.Node, int],
+    weights: list[float],
+    units: list[_Call],
+    starts: list[tuple[int, str]],
+    live: _Live,
+) -> list[Block]:
+    bounds = [p for p, _ in starts] + [len(ops)]
+    blocks: list[Block] = []
+    for k, (p, name) in enumerate(starts):
+        q = bounds[k + 1]
+        nodes = ops[p:q]
+        inside = set(nodes)
+        modules = [u.call.fqn for u in units if p <= u.first < q]
+        inputs: list[torch.fx.Node] = []
+        params: list[str] = []
+        for node in nodes:
+            for arg in node.all_input_nodes:
+                if arg.op == "get_attr":
+                    if arg.target not in params:
+                        params.append(str(arg.target))
+                elif arg not in inside and arg not in inputs:
+                    inputs.append(arg)
+        outputs = [n for n in nodes if live.last_use.get(n, -1) >= q]
+        block = Block(
+            index=k,
+            name=name,
+            modules=modules,
+            nodes=nodes,
+            inputs=sorted(inputs, key=lambda n: live.define[n]),
+            outputs=outputs,
+            params=params,
+            boundary_bytes=sum(_tensor_bytes(cap, n) for n in _crossing(live, p)) if k else 0,
+            output_bytes=sum(_tensor_bytes(cap, n) for n in outputs),
+            weight=sum(weights[p:q]),
+        )
+        blocks.append(block)
+    return blocks
+
+
+# --------------------------------------------------------------------------- tied parameters
+
+
+def _param_identity(model: nn.Module) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Canonical name of every parameter/buffer name, and all names of each canonical one."""
+    owner: dict[str, str] = {}
+    aliases: dict[str, list[str]] = {}
+    first: dict[int, str] = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    )
+    for name, tensor in named:
+        canon = first.setdefault(id(tensor), name)
+        owner[name] = canon
+        aliases.setdefault(canon, []).append(name)
+    return owner, aliases
+
+
+def _tied_sets(
+    blocks: Sequence[Block],
+    owner: dict[str, str],
+    aliases: dict[str, list[str]],
+    cap: Captured,
+) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    users: dict[str, set[int]] = {}
+    for block in blocks:
+        for target in block.params:
+            canon = owner.get(target, target)
+            users.setdefault(canon, set()).add(block.index)
+    tied = []
+    for canon, names in aliases.items():
+        if len(names) > 1:
+            tied.append((tuple(names), tuple(sorted(users.get(canon, set())))))
+    return tied

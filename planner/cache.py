@@ -1,0 +1,85 @@
+"""The on-disk profile cache: one JSON file per key, written atomically.
+
+Location: ``$PLANNER_CACHE_DIR``, else ``$XDG_CACHE_HOME/planner``, else
+``~/.cache/planner``. A file is written to a temporary name and renamed into
+place, so a crash never leaves a half-written entry; an unreadable entry is
+ignored (and removed) with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["cache_dir", "key", "load", "store"]
+
+log = logging.getLogger(__name__)
+
+# Bump when the profile's meaning changes, so old entries are not reused.
+_FORMAT = 1
+
+
+def cache_dir() -> Path:
+    """The directory profiles are cached in."""
+    env = os.environ.get("PLANNER_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "planner"
+
+
+def key(*parts: Any) -> str:
+    """A stable key for the given parts (the torch version is always included)."""
+    import torch
+
+    text = "\x1f".join(repr(p) for p in (_FORMAT, torch.__version__, *parts))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def load(k: str) -> dict[str, Any] | None:
+    path = cache_dir() / f"profile-{k}.json"
+    if not path.exists():
+        return None
+    try:
+        with path.open() as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or data.get("_format") != _FORMAT:
+            raise ValueError("not a profile of this format")
+    except (OSError, ValueError) as exc:
+        log.warning(
+            "ignoring unreadable profile cache entry %s (%s); it will be rebuilt", path, exc
+        )
+        path.unlink(missing_ok=True)
+        return None
+    data.pop("_format")
+    return data
+
+
+def store(k: str, data: dict[str, Any]) -> Path | None:
+    """Write an entry atomically; a cache that cannot be written is skipped with a warning."""
+    directory = cache_dir()
+    path = directory / f"profile-{k}.json"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"_format": _FORMAT, **data}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        log.warning(
+            "could not write the profile cache at %s (%s); continuing without it", path, exc
+        )
+        return None
+    return path

@@ -1,0 +1,367 @@
+"""Capture a model as a torch.fx graph whose nodes know the module call they belong to.
+
+``torch.export`` (non-strict) first: it runs the model's Python code for real, so
+control flow on configuration values, keyword arguments, dict/tuple outputs,
+buffers and tied parameters all work. ``torch.fx.symbolic_trace`` is the
+fallback for the rare model export rejects. When both fail, ``CaptureError``
+names the module and source line that broke tracing and suggests the fix.
+
+The captured ``GraphModule`` shares its parameters and buffers with the model
+(no copies): running it updates e.g. BatchNorm statistics of the model itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+__all__ = ["CaptureError", "Captured", "ModuleCall", "TensorInfo", "capture", "fingerprint"]
+
+log = logging.getLogger(__name__)
+
+
+class CaptureError(ValueError):
+    """Neither torch.export nor symbolic_trace could capture the model."""
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    """One entry of a node's module stack: a call of a submodule.
+
+    ``key`` identifies the call (a module called twice has two keys); ``fqn`` is
+    the module's qualified name; ``type_name`` its class, e.g. "torch.nn.Linear".
+    """
+
+    key: str
+    fqn: str
+    type_name: str
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of a tensor value in the graph (no data)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= int(d)
+        return numel * self.dtype.itemsize
+
+
+# What a node produces: a tensor, or a non-tensor (None, tuple, list, int ...).
+ValueInfo = TensorInfo | str
+
+
+@dataclass
+class Captured:
+    """A captured model.
+
+    Attributes:
+        gm: the runnable graph; parameters are ``get_attr`` nodes that refer to
+            the model's own tensors.
+        method: "export" or "symbolic_trace".
+        stacks: for each call node, the module calls it sits in, outermost
+            first (the root module excluded).
+        values: for each node, what it produces (``TensorInfo`` or a short
+            description of a non-tensor value).
+        input_names: the placeholder nodes' names, in order.
+        flat_inputs: the sample's values for those placeholders, in order.
+        sample_args, sample_kwargs: the sample batch as the model's forward takes it.
+        export_error: why torch.export failed, when the fallback was used.
+    """
+
+    gm: torch.fx.GraphModule
+    method: str
+    stacks: dict[torch.fx.Node, tuple[ModuleCall, ...]]
+    values: dict[torch.fx.Node, ValueInfo]
+    input_names: list[str] = field(default_factory=list)
+    flat_inputs: list[Any] = field(default_factory=list)
+    sample_args: tuple[Any, ...] = ()
+    sample_kwargs: dict[str, Any] = field(default_factory=dict)
+    export_error: str | None = None
+
+    def call_nodes(self) -> Iterator[torch.fx.Node]:
+        """The nodes that compute something, in execution order."""
+        for node in self.gm.graph.nodes:
+            if node.op in ("call_function", "call_method", "call_module"):
+                yield node
+
+
+def capture(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> Captured:
+    """Capture ``model`` called on one sample batch.
+
+    Example::
+
+        cap = capture(model, (tokens,))
+        print(cap.method, len(list(cap.call_nodes())))
+
+    Args:
+        model: the model; it is not modified, and its mode (train/eval) is kept.
+        args, kwargs: one sample batch, as the model's forward takes it.
+
+    Returns:
+        The ``Captured`` graph.
+
+    Raises:
+        CaptureError: both capture methods failed; the message names the module
+            and source line that broke tracing and how to fix it.
+    """
+    kwargs = dict(kwargs or {})
+    try:
+        cap = _capture_export(model, args, kwargs)
+    except Exception as export_exc:
+        log.info("torch.export failed (%s); trying torch.fx.symbolic_trace", export_exc)
+        try:
+            cap = _capture_symbolic(model, args, kwargs)
+        except Exception as fx_exc:
+            raise CaptureError(_explain_failure(model, export_exc, fx_exc)) from export_exc
+        cap.export_error = f"{type(export_exc).__name__}: {_first_line(export_exc)}"
+    cap.sample_args = tuple(args)
+    cap.sample_kwargs = kwargs
+    return cap
+
+
+def fingerprint(cap: Captured, model: nn.Module) -> str:
+    """A hash of the graph's structure and the parameters' names, shapes and dtypes.
+
+    It ignores activation shapes (and so the batch size) and parameter values:
+    the same architecture gives the same fingerprint at any batch size.
+    """
+    h = hashlib.sha256()
+    for node in cap.gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            h.update(node.op.encode())
+            continue
+        target = node.target if isinstance(node.target, str) else _target_name(node.target)
+        fqns = ",".join(c.fqn for c in cap.stacks.get(node, ()))
+        h.update(f"{node.op}|{target}|{fqns};".encode())
+    for name, p in model.named_parameters(remove_duplicate=False):
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    for name, b in model.named_buffers():
+        h.update(f"{name}:{tuple(b.shape)}:{b.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _capture_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+    was_training = model.training
+    try:
+        ep = torch.export.export(model, args, kwargs, strict=False)
+    finally:
+        model.train(was_training)
+    gm = ep.module()
+    _drop_guard_nodes(gm)
+    stacks: dict[torch.fx.Node, tuple[ModuleCall, ...]] = {}
+    values: dict[torch.fx.Node, ValueInfo] = {}
+    for node in gm.graph.nodes:
+        stacks[node] = _normalize_stack(node.meta.get("nn_module_stack"))
+        values[node] = _value_info(node.meta.get("val"))
+    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    flat = list(torch.utils._pytree.tree_leaves((args, kwargs)))
+    if len(flat) != len(inputs):
+        raise RuntimeError(f"export produced {len(inputs)} inputs for {len(flat)} sample values")
+    return Captured(
+        gm=gm,
+        method="export",
+        stacks=stacks,
+        values=values,
+        input_names=inputs,
+        flat_inputs=flat,
+    )
+
+
+def _drop_guard_nodes(gm: torch.fx.GraphModule) -> None:
+    """Remove export's input-guard call (it checks shapes; blocks must not carry it)."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if (
+            node.op == "call_module"
+            and str(node.target).startswith("_guards_fn")
+            and not node.users
+        ):
+            gm.graph.erase_node(node)
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+# --------------------------------------------------------------------------- fx fallback
+
+
+def _capture_symbolic(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+    gm = torch.fx.symbolic_trace(model)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    flat = _bind_placeholders(placeholders, args, kwargs)
+    values = _propagate(gm, flat)
+    stacks: dict[torch.fx.Node, tuple[ModuleCall, ...]] = {}
+    for node in gm.graph.nodes:
+        stack = _normalize_stack(node.meta.get("nn_module_stack"))
+        if node.op == "call_module":
+            # symbolic_trace lists a leaf module's own call on its node already;
+            # make sure it is there so the node belongs to that call.
+            fqn = str(node.target)
+            if not stack or stack[-1].fqn != fqn:
+                leaf = gm.get_submodule(fqn)
+                stack = (*stack, ModuleCall(fqn, fqn, _type_name(type(leaf))))
+        stacks[node] = stack
+    return Captured(
+        gm=gm,
+        method="symbolic_trace",
+        stacks=stacks,
+        values=values,
+        input_names=[n.name for n in placeholders],
+        flat_inputs=flat,
+    )
+
+
+def _bind_placeholders(
+    placeholders: list[torch.fx.Node], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Any]:
+    out: list[Any] = []
+    for i, ph in enumerate(placeholders):
+        if i < len(args):
+            out.append(args[i])
+        elif ph.target in kwargs:
+            out.append(kwargs[ph.target])
+        elif ph.args:
+            out.append(ph.args[0])  # the forward's default value
+        else:
+            raise TypeError(f"no value for the model input {ph.target!r}")
+    return out
+
+
+def _propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> dict[torch.fx.Node, ValueInfo]:
+    """Run the graph once on the sample and record what each node produces."""
+    values: dict[torch.fx.Node, ValueInfo] = {}
+
+    class _Recorder(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            result = super().run_node(n)
+            values[n] = _value_info(result)
+            return result
+
+    state = _snapshot_buffers(gm)
+    try:
+        with torch.no_grad():
+            _Recorder(gm).run(*flat_inputs)
+    finally:
+        _restore_buffers(gm, state)
+    return values
+
+
+def _snapshot_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b, b.detach().clone()) for b in module.buffers()]
+
+
+def _restore_buffers(module: nn.Module, state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buf, saved in state:
+            buf.copy_(saved)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _normalize_stack(raw: Any) -> tuple[ModuleCall, ...]:
+    if not raw:
+        return ()
+    calls = []
+    for key, value in raw.items():
+        fqn, type_ = value
+        if fqn == "":
+            continue  # the root module
+        type_name = type_ if isinstance(type_, str) else _type_name(type_)
+        calls.append(ModuleCall(str(key), str(fqn), type_name))
+    return tuple(calls)
+
+
+def _type_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _value_info(val: Any) -> ValueInfo:
+    if isinstance(val, torch.Tensor):
+        return TensorInfo(tuple(int(d) for d in val.shape), val.dtype)
+    if val is None:
+        return "None"
+    return type(val).__name__
+
+
+def _target_name(target: Any) -> str:
+    name = getattr(target, "__name__", None) or repr(target)
+    module = getattr(target, "__module__", None) or ""
+    return f"{module}.{name}" if module else name
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _explain_failure(model: nn.Module, export_exc: Exception, fx_exc: Exception) -> str:
+    where = _culprit(model, fx_exc) or _culprit(model, export_exc)
+    if where is not None:
+        fqn, type_name, filename, lineno, line = where
+        location = (
+            f"The failure is in module '{fqn or '<root>'}' ({type_name}), "
+            f"{filename}:{lineno}:\n    {line}\n"
+        )
+    else:
+        location = "No module of the model appears in the traceback.\n"
+    return (
+        "could not capture the model as a graph.\n"
+        f"{location}"
+        f"torch.export (non-strict) said: {type(export_exc).__name__}: {_first_line(export_exc)}\n"
+        f"torch.fx.symbolic_trace said: {type(fx_exc).__name__}: {_first_line(fx_exc)}\n"
+        "Why: the planner needs one graph of the forward pass; Python control flow that "
+        "depends on tensor values (e.g. `if x.sum() > 0:`) or untraceable operations stop "
+        "both tracers.\n"
+        "Fix: make the branch depend on configuration instead of tensor data, express it "
+        "with tensor ops (torch.where) or torch.cond, or move the data-dependent part out "
+        "of forward (e.g. into the loss or the data pipeline)."
+    )
+
+
+def _culprit(model: nn.Module, exc: BaseException) -> tuple[str, str, str, int, str] | None:
+    """The innermost frame of the traceback running a submodule of ``model``."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = None
+    chain: list[BaseException] = []
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        chain.append(e)
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    for err in chain:
+        for frame, lineno in traceback.walk_tb(err.__traceback__):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and id(owner) in names:
+                code = frame.f_code
+                line = _source_line(code.co_filename, lineno)
+                found = (names[id(owner)], type(owner).__name__, code.co_filename, lineno, line)
+        if found is not None:
+            return found
+    return None
+
+
+def _source_line(filename: str, lineno: int) -> str:
+    import linecache
+
+    return linecache.getline(filename, lineno).strip()

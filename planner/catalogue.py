@@ -1,0 +1,530 @@
+"""The device catalogue: peak speed, memory and links of each device type.
+
+The numbers live in ``planner/data/devices.yaml`` (with their datasheet sources);
+this module loads and validates them into :class:`Device` records. The ``cpu``
+entry is the local CPU, measured on first use instead of read from the file.
+
+Example::
+
+    >>> from planner.catalogue import get_device
+    >>> h100 = get_device("H100-SXM")
+    >>> h100.key, h100.memory_bytes // 2**30
+    ('h100', 79)
+    >>> round(h100.flops_per_s("bf16") / 1e12)  # 989 TFLOP/s peak x 0.65
+    643
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib.resources
+import logging
+import os
+import statistics
+import time
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "DTYPES",
+    "Catalogue",
+    "Device",
+    "device_names",
+    "dtype_key",
+    "get_device",
+    "load_catalogue",
+    "local_accelerator",
+    "local_cpu",
+]
+
+log = logging.getLogger(__name__)
+
+#: The dtype names a device has a peak for.
+DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
+
+_DTYPE_ALIASES = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+    "tf32": "tf32",
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+}  # fmt: skip
+
+_GIB = 2**30
+
+
+def dtype_key(dtype: object) -> str:
+    """The catalogue's name for a dtype: ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``.
+
+    Example::
+
+        >>> dtype_key("bfloat16"), dtype_key("torch.float32"), dtype_key("FP16")
+        ('bf16', 'fp32', 'fp16')
+
+    Args:
+        dtype: a name such as ``"bf16"``, ``"float16"``, ``"torch.float32"``, or a
+            ``torch.dtype`` (its ``str()`` is used).
+
+    Raises:
+        ValueError: the dtype has no peak in the catalogue; lists the known names.
+    """
+    key = _DTYPE_ALIASES.get(str(dtype).strip().lower())
+    if key is None:
+        known = ", ".join(sorted(_DTYPE_ALIASES))
+        raise ValueError(f"unknown dtype {dtype!r}; known: {known}")
+    return key
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """One device type: what the cost model needs to price work on it.
+
+    Attributes:
+        key: catalogue key, e.g. ``"h100"``.
+        name: human name, e.g. ``"NVIDIA H100 SXM5 80GB"``.
+        kind: ``"gpu"`` or ``"cpu"``.
+        memory_bytes: usable device memory.
+        peak_flops: dense peak FLOP/s per dtype name (``DTYPES``).
+        memory_bandwidth: device memory bandwidth, bytes/s.
+        nvlink_bandwidth: NVLink bytes/s per device, both directions together as
+            datasheets quote it (one direction gets half); 0 without NVLink.
+        pcie_bandwidth: host-link bytes/s, both directions together. For the
+            local CPU: the measured memory bandwidth (a copy between processes
+            on one host goes through memory).
+        compute_efficiency: achievable fraction of ``peak_flops``.
+        memory_efficiency: achievable fraction of ``memory_bandwidth``.
+        op_overhead_s: fixed cost of each operator that does work, seconds.
+        source: where the numbers come from.
+    """
+
+    key: str
+    name: str
+    kind: str
+    memory_bytes: int
+    peak_flops: Mapping[str, float]
+    memory_bandwidth: float
+    nvlink_bandwidth: float
+    pcie_bandwidth: float
+    compute_efficiency: float
+    memory_efficiency: float
+    op_overhead_s: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gpu", "cpu"):
+            raise ValueError(f"device {self.key!r}: kind must be 'gpu' or 'cpu', got {self.kind!r}")
+        if self.memory_bytes <= 0:
+            raise ValueError(
+                f"device {self.key!r}: memory_bytes must be > 0, got {self.memory_bytes}"
+            )
+        missing = [d for d in DTYPES if d not in self.peak_flops]
+        if missing:
+            raise ValueError(f"device {self.key!r}: peak_flops lacks {', '.join(missing)}")
+        # A read-only copy: the record is frozen, so its mapping must be too.
+        object.__setattr__(self, "peak_flops", types.MappingProxyType(dict(self.peak_flops)))
+
+    def __hash__(self) -> int:
+        # Written out because the generated hash would fail on the mapping field.
+        return hash((self.key, self.memory_bytes, tuple(sorted(self.peak_flops.items()))))
+
+    def flops_per_s(self, dtype: object) -> float:
+        """Achievable FLOP/s for ``dtype``: peak × ``compute_efficiency``.
+
+        Example::
+
+            >>> get_device("a100").flops_per_s("torch.bfloat16") == 312e12 * 0.65
+            True
+
+        Raises:
+            ValueError: unknown dtype; the message lists the known names.
+        """
+        return self.peak_flops[dtype_key(dtype)] * self.compute_efficiency
+
+    def with_memory(self, memory_bytes: int) -> Device:
+        """The same device with a different memory size (a cluster file's override).
+
+        Example::
+
+            >>> get_device("h100").with_memory(70 * 2**30).memory_bytes // 2**30
+            70
+        """
+        return dataclasses.replace(self, memory_bytes=int(memory_bytes))
+
+
+# --- loading -----------------------------------------------------------------------
+
+_GPU_KEYS = {
+    "name", "memory_gib", "peak_tflops", "memory_bandwidth_gbs", "nvlink_gbs",
+    "pcie_gbs", "compute_efficiency", "memory_efficiency", "op_overhead_us", "source",
+}  # fmt: skip
+_OPTIONAL_KEYS = {"aliases", "cuda_names", "kind"}
+_CPU_KEYS = {"name", "source"}
+_DEFAULT_PATH = "planner/data/devices.yaml"
+
+
+@dataclass(frozen=True)
+class _CpuEntry:
+    key: str
+    name: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    """A loaded, validated catalogue. Most code wants :func:`get_device` instead.
+
+    Attributes:
+        gpus: GPU devices by key.
+        cpu: the measured-CPU entry (name and source), if the file has one.
+        aliases: lower-case name or alias → key (keys map to themselves).
+        cuda_names: lower-case ``torch.cuda.get_device_name()`` → key.
+        path: the file it came from (for error messages).
+    """
+
+    gpus: Mapping[str, Device]
+    cpu: _CpuEntry | None
+    aliases: Mapping[str, str]
+    cuda_names: Mapping[str, str]
+    path: str
+
+    def names(self) -> list[str]:
+        """Catalogue keys, sorted (aliases not included)."""
+        keys = list(self.gpus) + ([self.cpu.key] if self.cpu else [])
+        return sorted(keys)
+
+    def get(self, name: str) -> Device:
+        """The device called ``name`` (a key or alias, any case); see :func:`get_device`."""
+        key = self.aliases.get(name.strip().lower())
+        if key is None:
+            close = difflib.get_close_matches(name.lower(), list(self.aliases), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"unknown device type {name!r}{hint}; known: {', '.join(self.names())} "
+                f"(add an entry to {self.path})"
+            )
+        if self.cpu is not None and key == self.cpu.key:
+            return _local_cpu_device(self.cpu, _torch_threads())
+        return self.gpus[key]
+
+
+def load_catalogue(path: str | Path | None = None) -> Catalogue:
+    """Load and validate a device catalogue file.
+
+    Example::
+
+        >>> cat = load_catalogue()  # the packaged planner/data/devices.yaml
+        >>> cat.get("v100").key
+        'v100-32gb'
+
+    Args:
+        path: a YAML file in the format of ``planner/data/devices.yaml``; None
+            for the packaged one.
+
+    Raises:
+        ValueError: a missing or malformed entry; the message names the entry
+            and the key.
+    """
+    if path is None:
+        text = importlib.resources.files("planner").joinpath("data", "devices.yaml").read_text()
+        where = _DEFAULT_PATH
+    else:
+        text = Path(path).read_text()
+        where = str(path)
+    data = yaml.safe_load(text)
+    if not isinstance(data, dict) or not isinstance(data.get("devices"), dict):
+        raise ValueError(f"{where}: expected a mapping with a 'devices:' mapping at the top")
+    gpus: dict[str, Device] = {}
+    cpu: _CpuEntry | None = None
+    aliases: dict[str, str] = {}
+    cuda_names: dict[str, str] = {}
+    for raw_key, entry in data["devices"].items():
+        key = str(raw_key).lower()
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: entry {key!r} must be a mapping of keys to values")
+        kind = entry.get("kind", "gpu")
+        if kind == "cpu":
+            _check_keys(where, key, entry, _CPU_KEYS)
+            cpu = _CpuEntry(key=key, name=str(entry["name"]), source=str(entry["source"]))
+        elif kind == "gpu":
+            _check_keys(where, key, entry, _GPU_KEYS)
+            gpus[key] = _gpu_from_entry(where, key, entry)
+        else:
+            raise ValueError(f"{where}: entry {key!r}: key 'kind' must be gpu or cpu, got {kind!r}")
+        for alias in [key, *_str_list(where, key, entry, "aliases")]:
+            other = aliases.setdefault(alias.lower(), key)
+            if other != key:
+                raise ValueError(f"{where}: name {alias!r} is used by both {other!r} and {key!r}")
+        for cuda_name in _str_list(where, key, entry, "cuda_names"):
+            cuda_names[cuda_name.lower()] = key
+    return Catalogue(gpus=gpus, cpu=cpu, aliases=aliases, cuda_names=cuda_names, path=where)
+
+
+def _check_keys(where: str, key: str, entry: Mapping[str, Any], required: set[str]) -> None:
+    missing = sorted(required - set(entry))
+    if missing:
+        raise ValueError(f"{where}: entry {key!r} is missing key {missing[0]!r}")
+    unknown = sorted(set(entry) - required - _OPTIONAL_KEYS)
+    if unknown:
+        allowed = ", ".join(sorted(required | _OPTIONAL_KEYS))
+        raise ValueError(
+            f"{where}: entry {key!r} has unknown key {unknown[0]!r} (allowed: {allowed})"
+        )
+
+
+def _str_list(where: str, key: str, entry: Mapping[str, Any], field: str) -> list[str]:
+    value = entry.get(field, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{where}: entry {key!r}: key {field!r} must be a list of strings")
+    return value
+
+
+def _number(where: str, key: str, field: str, value: object, *, zero_ok: bool = False) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not (value >= 0 if zero_ok else value > 0):  # type: ignore[operator]
+        need = "a number >= 0" if zero_ok else "a positive number"
+        raise ValueError(f"{where}: entry {key!r}: key {field!r} must be {need}, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _gpu_from_entry(where: str, key: str, entry: Mapping[str, Any]) -> Device:
+    def num(field: str, **kw: bool) -> float:
+        return _number(where, key, field, entry[field], **kw)
+
+    peaks = entry["peak_tflops"]
+    if not isinstance(peaks, dict):
+        raise ValueError(f"{where}: entry {key!r}: key 'peak_tflops' must map dtypes to TFLOP/s")
+    for dtype in DTYPES:
+        if dtype not in peaks:
+            raise ValueError(f"{where}: entry {key!r} is missing key 'peak_tflops.{dtype}'")
+    peak_flops = {d: _number(where, key, f"peak_tflops.{d}", peaks[d]) * 1e12 for d in DTYPES}
+    for field in ("compute_efficiency", "memory_efficiency"):
+        if num(field) > 1:
+            raise ValueError(f"{where}: entry {key!r}: key {field!r} is a fraction, must be <= 1")
+    return Device(
+        key=key,
+        name=str(entry["name"]),
+        kind="gpu",
+        memory_bytes=int(num("memory_gib") * _GIB),
+        peak_flops=peak_flops,
+        memory_bandwidth=num("memory_bandwidth_gbs") * 1e9,
+        nvlink_bandwidth=num("nvlink_gbs", zero_ok=True) * 1e9,
+        pcie_bandwidth=num("pcie_gbs") * 1e9,
+        compute_efficiency=num("compute_efficiency"),
+        memory_efficiency=num("memory_efficiency"),
+        op_overhead_s=num("op_overhead_us") / 1e6,
+        source=str(entry["source"]),
+    )
+
+
+@functools.cache
+def _default_catalogue() -> Catalogue:
+    return load_catalogue()
+
+
+def get_device(name: str) -> Device:
+    """The catalogue device called ``name``: a key or an alias, any case.
+
+    Example::
+
+        >>> get_device("A100").key   # `a100` means the 80 GB part
+        'a100-80gb'
+        >>> get_device("cpu").kind   # measured on first use
+        'cpu'
+
+    Raises:
+        ValueError: unknown name; the message lists the known ones.
+    """
+    return _default_catalogue().get(name)
+
+
+def device_names() -> list[str]:
+    """The catalogue's device keys, sorted.
+
+    Example::
+
+        >>> "h100" in device_names()
+        True
+    """
+    return _default_catalogue().names()
+
+
+# --- the local machine ---------------------------------------------------------------
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def local_cpu() -> Device:
+    """The local CPU, its speed measured here (in well under a second, once).
+
+    Peak FLOP/s per dtype come from a square matmul sized to take ~10 ms,
+    memory bandwidth from a 64 MiB copy (bytes read + written per second), the
+    per-op overhead from a loop of 1-element adds, memory from the RAM (or the
+    cgroup limit, when lower). Efficiencies are 1.0: the measurements already are
+    achieved speeds. Cached per process and per ``torch.get_num_threads()``.
+
+    Example::
+
+        >>> cpu = local_cpu()
+        >>> cpu.kind, cpu.compute_efficiency, cpu.flops_per_s("fp32") > 0
+        ('cpu', 1.0, True)
+    """
+    entry = _default_catalogue().cpu
+    if entry is None:
+        entry = _CpuEntry(key="cpu", name="the local CPU", source="measured")
+    return _local_cpu_device(entry, _torch_threads())
+
+
+@functools.cache
+def _local_cpu_device(entry: _CpuEntry, threads: int) -> Device:
+    measured = _measure_cpu(threads)
+    log.info(
+        "measured the local CPU (%d threads): %s, %.1f GB/s, %.1f us/op",
+        threads,
+        ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in measured.peak_flops.items()),
+        measured.memory_bandwidth / 1e9,
+        measured.op_overhead_s * 1e6,
+    )
+    return Device(
+        key=entry.key,
+        name=f"{entry.name} ({threads} threads)",
+        kind="cpu",
+        memory_bytes=_total_ram(),
+        peak_flops=measured.peak_flops,
+        memory_bandwidth=measured.memory_bandwidth,
+        nvlink_bandwidth=0.0,
+        pcie_bandwidth=measured.memory_bandwidth,
+        compute_efficiency=1.0,
+        memory_efficiency=1.0,
+        op_overhead_s=measured.op_overhead_s,
+        source=entry.source,
+    )
+
+
+@dataclass(frozen=True)
+class _CpuSpeed:
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    op_overhead_s: float
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: first-touch page faults, kernel selection
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@functools.cache
+def _measure_cpu(threads: int) -> _CpuSpeed:
+    """Benchmarks for ``local_cpu``; ``threads`` is the cache key (the current count)."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    peak: dict[str, float] = {}
+    # Explicit device and no active modes: this may first run inside a meta-device
+    # context or under an OpCostMode, and must time real CPU work all the same.
+    with _disable_current_modes(), torch.no_grad():
+        for name, dt in torch_dtypes.items():
+            n = 256
+            a = torch.randn(n, n, device="cpu").to(dt)
+            t = _median_time(functools.partial(torch.mm, a, a), 1)
+            # Grow the matrix so one matmul takes ~10 ms (small ones miss the
+            # peak); some CPUs run fp16 matmuls ~100x slower than fp32.
+            n = int(min(2048, max(256, n * (0.01 / max(t, 1e-9)) ** (1 / 3))) // 128 * 128)
+            a = torch.randn(n, n, device="cpu").to(dt)
+            peak[name] = 2 * n**3 / _median_time(functools.partial(torch.mm, a, a), 3)
+        peak["tf32"] = peak["fp32"]  # no TF32 on a CPU
+
+        src = torch.ones(16 * 2**20, device="cpu")  # 64 MiB
+        dst = torch.empty_like(src)
+        bandwidth = 2 * src.nbytes / _median_time(lambda: dst.copy_(src), 5)
+
+        one = torch.ones(1, device="cpu")
+        loops = 1000
+
+        def adds() -> None:
+            for _ in range(loops):
+                torch.add(one, one)
+
+        overhead = _median_time(adds, 3) / loops
+    return _CpuSpeed(peak_flops=peak, memory_bandwidth=bandwidth, op_overhead_s=overhead)
+
+
+def _total_ram() -> int:
+    """RAM of this machine, or its cgroup's memory limit when that is lower."""
+    total = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    if total <= 0:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (OSError, ValueError, AttributeError):
+            total = 0
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = int(Path(limit_file).read_text().strip())  # "max" -> ValueError
+        except (OSError, ValueError):
+            continue
+        if 0 < limit < (total or limit + 1):
+            total = limit
+    if total <= 0:
+        total = 8 * _GIB
+        log.warning("could not read this machine's RAM size; assuming 8 GiB")
+    return total
+
+
+def local_accelerator() -> Device | None:
+    """The local CUDA GPU as a catalogue device, with the driver's memory size.
+
+    Matched by ``torch.cuda.get_device_name(0)`` against the entries'
+    ``cuda_names`` (e.g. ``"NVIDIA H100 80GB HBM3"`` is ``h100``).
+
+    Example::
+
+        >>> dev = local_accelerator()
+        >>> dev is None or dev.kind == "gpu"
+        True
+
+    Returns:
+        The device, or None when CUDA is not available.
+
+    Raises:
+        ValueError: the GPU is not in the catalogue; the message names it and
+            says how to add it.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    cuda_name = torch.cuda.get_device_name(0)
+    cat = _default_catalogue()
+    key = cat.cuda_names.get(cuda_name.strip().lower())
+    if key is None:
+        raise ValueError(
+            f"the local GPU {cuda_name!r} is not in the device catalogue "
+            f"(known: {', '.join(cat.names())}); add an entry with "
+            f"cuda_names: [{cuda_name}] to {cat.path}, or name a catalogue device "
+            f"explicitly"
+        )
+    memory = torch.cuda.get_device_properties(0).total_memory
+    return cat.gpus[key].with_memory(memory)

@@ -1,0 +1,1 @@
+"""Executes a planner Plan: pipeline stages × data-parallel replicas (torch.distributed)."""

@@ -1,0 +1,89 @@
+"""The command line, end to end on the bundled examples."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_profile_prints_the_table_ties_and_check_line(capsys) -> None:
+    rc = main(
+        [
+            "profile",
+            str(ROOT / "examples" / "gpt.py"),
+            "--batch-size",
+            "2",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "tok_emb" in out and "head" in out
+    assert "tied: tok_emb.weight = head.weight" in out
+    assert "check: Σ blocks fwd+bwd + loss" in out and "vs whole model" in out
+
+
+def test_profile_json_is_a_model_profile(capsys) -> None:
+    rc = main(
+        ["profile", str(ROOT / "examples" / "mlp.py"), "--json", "--repeats", "1", "--warmup", "0"]
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert data["source"] == "measured" and data["batch_size"] == 64
+    assert [b["index"] for b in data["blocks"]] == list(range(len(data["blocks"])))
+
+
+def test_profile_analytic_device(capsys) -> None:
+    rc = main(
+        [
+            "profile",
+            str(ROOT / "examples" / "resnet.py"),
+            "--device-type",
+            "h100",
+            "--dtype",
+            "bf16",
+            "--batch-size",
+            "4",
+            "--json",
+        ]
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0 and data["source"] == "analytic" and data["device"] == "h100"
+    assert data["whole_fwd_ms"] is None
+
+
+def test_missing_model_file_is_a_clean_error(capsys, tmp_path) -> None:
+    rc = main(["profile", str(tmp_path / "nope.py")])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "nope.py" in err and "build_model" in err
+    assert "Traceback" not in err
+
+
+def test_unknown_device_is_a_clean_error(capsys) -> None:
+    rc = main(["profile", str(ROOT / "examples" / "mlp.py"), "--device-type", "tpu-v9"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "tpu-v9" in err and "h100" in err
+
+
+def test_console_script_runs() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "planner", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("planner ")

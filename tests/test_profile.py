@@ -1,0 +1,164 @@
+"""Profile: figures per block, the model left unchanged, analytic FLOPs, the cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planner import cache
+from planner.profile import ProfileOptions, profile_model
+from planner.records import ModelProfile
+
+FAST = ProfileOptions(repeats=1, warmup=0, cache=False)
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
+
+
+class Net(nn.Module):
+    """BatchNorm (running statistics), dropout (RNG) and a skip connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(0.5)
+        self.mid = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        y = self.mid(self.drop(torch.relu(self.bn(h))))
+        return self.out(y + h)
+
+
+def _state(model: nn.Module) -> dict:
+    return {
+        "tensors": {k: v.clone() for k, v in model.state_dict().items()},
+        "grads": {
+            k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()
+        },
+        "training": [m.training for m in model.modules()],
+        "rng": torch.get_rng_state(),
+    }
+
+
+def test_profiling_leaves_the_model_unchanged() -> None:
+    torch.manual_seed(0)
+    model = Net().train()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    model(x).sum().backward()  # some existing .grad to keep
+    before = _state(model)
+    prof = profile_model(model, (x,), targets=y, loss_fn=F.cross_entropy, options=FAST)
+    after = _state(model)
+    assert prof.blocks
+    for k, v in before["tensors"].items():
+        assert torch.equal(v, after["tensors"][k]), k  # BN statistics included
+    for k, g in before["grads"].items():
+        assert torch.equal(g, after["grads"][k]), k
+    assert before["training"] == after["training"]
+    assert torch.equal(before["rng"], after["rng"])
+
+
+def test_measured_profile_figures() -> None:
+    model = Net()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    prof = profile_model(model, (x,), targets=y, loss_fn=F.cross_entropy, options=FAST)
+    names = [b.name for b in prof.blocks]
+    assert names == ["inp", "bn", "drop", "mid", "out"]
+    assert prof.source == "measured" and prof.device == "cpu" and prof.batch_size == 8
+    assert prof.threads == torch.get_num_threads()
+    # Parameters: inp 16·32+32, bn 32+32 (+ buffers), mid 32·32+32, out 32·4+4; fp32.
+    assert [b.param_bytes for b in prof.blocks] == [
+        4 * (16 * 32 + 32),
+        4 * 64,
+        0,
+        4 * (32 * 32 + 32),
+        4 * (32 * 4 + 4),
+    ]
+    assert prof.blocks[1].buffer_bytes == 4 * 64 + 8  # running mean/var + num_batches_tracked
+    # h (8×32 fp32 = 1024 B) skips over bn, drop and mid; `y + h` runs before `out`
+    # is called, so only the sum crosses out's split point.
+    assert [b.boundary_bytes for b in prof.blocks] == [0, 1024, 2048, 2048, 1024]
+    assert all(b.fwd_ms > 0 and b.bwd_ms > 0 for b in prof.blocks)
+    assert prof.blocks[0].activation_bytes >= x.nbytes  # the input is saved for the weight grad
+    assert prof.whole_fwd_ms and prof.whole_bwd_ms and prof.loss_fwd_ms > 0
+    assert sum(b.fwd_flops for b in prof.blocks) == 2 * 8 * (16 * 32 + 32 * 32 + 32 * 4)
+
+
+def test_analytic_flops_of_a_linear_block_match_the_textbook() -> None:
+    b, n_in, n_out = 32, 256, 512
+    model = nn.Sequential(nn.Linear(n_in, n_out), nn.Linear(n_out, n_out))
+    prof = profile_model(
+        model, (torch.randn(b, n_in),), options=ProfileOptions(device="h100", cache=False)
+    )
+    first, second = prof.blocks
+    assert prof.source == "analytic" and prof.device == "h100"
+    assert first.fwd_flops == 2 * b * n_in * n_out
+    # The first layer's input needs no gradient: only the weight gradient.
+    assert first.bwd_flops == 2 * b * n_in * n_out
+    assert second.bwd_flops == 4 * b * n_out * n_out
+    assert prof.whole_fwd_ms is None
+    assert 0 < first.fwd_ms < 1.0  # microseconds on an H100
+
+
+def test_analytic_bf16_halves_activation_bytes() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    x = torch.randn(16, 64)
+    fp32 = profile_model(model, (x,), options=ProfileOptions(device="a100-80gb", cache=False))
+    bf16 = profile_model(
+        model, (x,), options=ProfileOptions(device="a100-80gb", dtype="bf16", cache=False)
+    )
+    assert [b.boundary_bytes // 2 for b in fp32.blocks] == [b.boundary_bytes for b in bf16.blocks]
+    assert bf16.dtype == "bf16"
+    assert sum(b.fwd_ms for b in bf16.blocks) < sum(b.fwd_ms for b in fp32.blocks)
+
+
+def test_profiles_are_cached_and_a_broken_entry_is_rebuilt() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    x = torch.randn(4, 8)
+    opts = ProfileOptions(repeats=1, warmup=0)
+    first = profile_model(model, (x,), options=opts)
+    files = list(cache.cache_dir().glob("profile-*.json"))
+    assert len(files) == 1
+    again = profile_model(model, (x,), options=opts)
+    assert again == first  # read back, not re-measured (times would differ)
+    # Another batch size is another entry.
+    profile_model(model, (torch.randn(2, 8),), options=opts)
+    assert len(list(cache.cache_dir().glob("profile-*.json"))) == 2
+    # A truncated entry is ignored and replaced.
+    files[0].write_text(files[0].read_text()[:20])
+    rebuilt = profile_model(model, (x,), options=opts)
+    assert rebuilt.blocks and json.loads(files[0].read_text())["fingerprint"] == first.fingerprint
+    assert not list(cache.cache_dir().glob(".profile-*"))  # no temporary files left
+
+
+def test_profile_round_trips_through_a_dict() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    prof = profile_model(model, (torch.randn(4, 8),), options=FAST)
+    assert ModelProfile.from_dict(json.loads(json.dumps(prof.to_dict()))) == prof
+
+
+def test_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="repeats"):
+        ProfileOptions(repeats=0)
+    with pytest.raises(ValueError, match="analytic"):
+        ProfileOptions(dtype="bf16")
+
+
+def test_unknown_device_type_lists_the_catalogue() -> None:
+    with pytest.raises(ValueError, match="h100"):
+        profile_model(
+            nn.Linear(2, 2), (torch.randn(1, 2),), options=ProfileOptions(device="tpu", cache=False)
+        )
+
+
+def test_examples_profile_dir_exists() -> None:
+    assert (Path(__file__).resolve().parent.parent / "examples" / "gpt.py").exists()
