@@ -21,7 +21,7 @@ reported with the blocks that use them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -121,6 +121,7 @@ def build_blocks(
     *,
     target_blocks: int = 64,
     node_weight: Callable[[torch.fx.Node], float] | None = None,
+    split_points: Sequence[str] | None = None,
 ) -> BlockChain:
     """Cut a captured model into a chain of blocks.
 
@@ -139,6 +140,13 @@ def build_blocks(
             (and slower solves).
         node_weight: the work of one call node (e.g. its measured or analytic
             time); defaults to the bytes the node produces, a cheap proxy.
+        split_points: use exactly these split points (module FQNs, in
+            execution order) instead of the granularity rule: the same chain
+            at another batch size, or a plan's stages.
+
+    Raises:
+        ValueError: a requested split point is not a module call of the graph,
+            is out of order, or has a non-tensor value crossing it.
 
     Returns:
         The ``BlockChain``.
@@ -155,11 +163,16 @@ def build_blocks(
     pos = {n: i for i, n in enumerate(ops)}
 
     roots = _call_tree(cap, ops, weights)
+    live = _liveness(cap, ops, pos)
+    if split_points is not None:
+        forced = _forced_starts(cap, roots, live, split_points)
+        blocks = _make_blocks(cap, ops, weights, roots, forced, live)
+        owner, aliases = _param_identity(model)
+        tied = _tied_sets(blocks, owner, aliases, cap)
+        return BlockChain(blocks=blocks, tied=tied, excluded=[], param_owner=owner)
+
     total = sum(weights)
     units = _choose_units(roots, total / target_blocks)
-
-    # Values: where defined (position; inputs at -1) and last used.
-    live = _liveness(cap, ops, pos)
     excluded: list[SplitPointExcluded] = []
     starts: list[tuple[int, str]] = []
     seen_fqns: set[str] = set()
@@ -179,7 +192,7 @@ def build_blocks(
             continue
         starts.append((p, fqn))
 
-    blocks = _make_blocks(cap, ops, pos, weights, units, starts, live)
+    blocks = _make_blocks(cap, ops, weights, roots, starts, live)
     owner, aliases = _param_identity(model)
     tied = _tied_sets(blocks, owner, aliases, cap)
     return BlockChain(blocks=blocks, tied=tied, excluded=excluded, param_owner=owner)
@@ -227,6 +240,47 @@ def _choose_units(roots: list[_Call], max_weight: float) -> list[_Call]:
             units.append(unit)
     units.sort(key=lambda u: u.first)
     return units
+
+
+def _all_calls(roots: list[_Call]) -> Iterator[_Call]:
+    stack = list(reversed(roots))
+    while stack:
+        call = stack.pop()
+        yield call
+        stack.extend(reversed(call.children))
+
+
+def _forced_starts(
+    cap: Captured, roots: list[_Call], live: _Live, split_points: Sequence[str]
+) -> list[tuple[int, str]]:
+    first: dict[str, int] = {}
+    for call in _all_calls(roots):
+        first.setdefault(call.call.fqn, call.first)
+    if not split_points:
+        return [(0, roots[0].call.fqn if roots else "")]
+    starts: list[tuple[int, str]] = []
+    for k, fqn in enumerate(split_points):
+        if fqn not in first:
+            known = ", ".join(list(first)[:8])
+            raise ValueError(
+                f"split point {fqn!r} is not a module call of this model (calls include: "
+                f"{known}, ...); the plan or chain was made for a different model"
+            )
+        p = first[fqn]
+        if k == 0:
+            starts.append((0, fqn))
+            continue
+        if p <= starts[-1][0]:
+            raise ValueError(
+                f"split point {fqn!r} does not come after {starts[-1][1]!r} in execution order"
+            )
+        blocker = _non_tensor_crossing(cap, live, p)
+        if blocker is not None:
+            raise ValueError(
+                f"split point {fqn!r} cannot be used: a non-tensor value crosses it ({blocker})"
+            )
+        starts.append((p, fqn))
+    return starts
 
 
 # --------------------------------------------------------------------------- liveness
@@ -278,9 +332,8 @@ def _tensor_bytes(cap: Captured, node: torch.fx.Node) -> int:
 def _make_blocks(
     cap: Captured,
     ops: list[torch.fx.Node],
-    pos: dict[torch.fx.Node, int],
     weights: list[float],
-    units: list[_Call],
+    roots: list[_Call],
     starts: list[tuple[int, str]],
     live: _Live,
 ) -> list[Block]:
@@ -290,7 +343,7 @@ def _make_blocks(
         q = bounds[k + 1]
         nodes = ops[p:q]
         inside = set(nodes)
-        modules = [u.call.fqn for u in units if p <= u.first < q]
+        modules = _maximal_calls(roots, p, q)
         inputs: list[torch.fx.Node] = []
         params: list[str] = []
         for node in nodes:
@@ -315,6 +368,21 @@ def _make_blocks(
         )
         blocks.append(block)
     return blocks
+
+
+def _maximal_calls(roots: list[_Call], p: int, q: int) -> list[str]:
+    """FQNs of the outermost module calls lying inside [p, q) (or starting there)."""
+    out: list[str] = []
+    stack = list(reversed(roots))
+    while stack:
+        call = stack.pop()
+        if call.last < p or call.first >= q:
+            continue
+        if call.first >= p and call.last < q:
+            out.append(call.call.fqn)
+        else:
+            stack.extend(reversed(call.children))
+    return out
 
 
 # --------------------------------------------------------------------------- tied parameters

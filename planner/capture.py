@@ -160,11 +160,14 @@ def fingerprint(cap: Captured, model: nn.Module) -> str:
 
 
 def _capture_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]
     try:
         ep = torch.export.export(model, args, kwargs, strict=False)
     finally:
-        model.train(was_training)
+        # Restore every submodule's own mode (a BatchNorm in eval inside a
+        # training model stays in eval): model.train(x) would reset them all.
+        for m, mode in modes:
+            m.training = mode
     gm = ep.module()
     _drop_guard_nodes(gm)
     stacks: dict[torch.fx.Node, tuple[ModuleCall, ...]] = {}

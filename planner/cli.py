@@ -12,8 +12,14 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
 
 from planner import __version__
+
+if TYPE_CHECKING:
+    from planner.plan import Plan
 
 __all__ = ["main"]
 
@@ -94,7 +100,157 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="ignore and do not write the cache")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(func=_cmd_profile)
+    _add_plan_parser(sub)
+    _add_show_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="find the fastest pipeline × data-parallel placement and write a plan file",
+        description=(
+            "Trace and profile MODEL_FILE, then search pipeline depth, data-parallel width, "
+            "micro-batches and schedule, placing blocks on stages with an ILP. Writes the "
+            "plan (YAML) and prints the placement report. Loading the model file runs its code."
+        ),
+    )
+    p.add_argument("model_file", help="a model.py defining build_model() and sample_batch(n)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="N devices: N of the local GPU, N of --device-type, or N local CPU devices",
+    )
+    where.add_argument("--cluster", default=None, help="a cluster YAML (nodes, types, links)")
+    p.add_argument("--device-type", default=None, help="catalogue device for --gpus (e.g. h100)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="global batch per optimizer step (default: the file's BATCH_SIZE)",
+    )
+    p.add_argument("--pp", type=int, default=None, help="pin the pipeline depth")
+    p.add_argument("--dp", type=int, default=None, help="pin the data-parallel width")
+    p.add_argument("--micro-batches", type=int, default=None, help="pin the micro-batch count")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default=None, help="pin the schedule")
+    p.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
+    p.add_argument("--precision", choices=["fp32", "bf16-mixed"], default="fp32")
+    p.add_argument(
+        "--memory-headroom",
+        type=float,
+        default=0.1,
+        help="share of device memory kept free (default 0.1)",
+    )
+    p.add_argument("--solver", choices=["highs", "cbc", "auto"], default="highs")
+    p.add_argument(
+        "--time-limit", type=float, default=60.0, help="seconds per ILP solve (default 60)"
+    )
+    p.add_argument("--max-stages", type=int, default=64, help="granularity (as in profile)")
+    p.add_argument("--repeats", type=int, default=5, help="profiling rounds (median kept)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed profiling rounds")
+    p.add_argument("--no-cache", action="store_true", help="ignore and do not write the cache")
+    p.add_argument("--out", default="plan.yaml", help="plan file to write (default plan.yaml)")
+    p.add_argument("--report", default=None, help="also write an HTML report here")
+    p.add_argument("--trace", default=None, help="also write a Chrome/Perfetto trace here")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _add_show_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("show", help="re-render a saved plan's report")
+    p.add_argument("plan_file")
+    p.add_argument("--report", default=None, help="also write an HTML report here")
+    p.add_argument("--trace", default=None, help="also write a Chrome/Perfetto trace here")
+    p.set_defaults(func=_cmd_show)
+
+
+def _cmd_plan(ns: argparse.Namespace) -> int:
+    from planner.api import PlanOptions, plan_model
+    from planner.cluster import from_gpus, load_cluster
+    from planner.cost import Training
+    from planner.modelfile import load_model_file
+    from planner.plan import save_plan
+    from planner.profile import ProfileOptions
+    from planner.report_profile import progress_bar
+    from planner.search import SearchOptions
+
+    if ns.cluster:
+        cluster = load_cluster(ns.cluster)
+        if ns.device_type:
+            raise ValueError("--device-type goes with --gpus; a cluster file names its devices")
+    else:
+        gpus = ns.gpus
+        if gpus < 1:
+            raise ValueError(f"--gpus must be ≥ 1, got {gpus}")
+        cluster = from_gpus(gpus, ns.device_type)
+    mf = load_model_file(ns.model_file)
+    batch = ns.batch_size or mf.batch_size
+    options = PlanOptions(
+        training=Training(
+            global_batch=batch,
+            optimizer=ns.optimizer,
+            precision=ns.precision,
+            memory_headroom=ns.memory_headroom,
+        ),
+        search=SearchOptions(
+            pp=ns.pp,
+            dp=ns.dp,
+            micro_batches=ns.micro_batches,
+            schedule=ns.schedule,
+            solver=ns.solver,
+            time_limit_s=ns.time_limit,
+        ),
+        profile=ProfileOptions(
+            repeats=ns.repeats,
+            warmup=ns.warmup,
+            target_blocks=ns.max_stages,
+            cache=not ns.no_cache,
+        ),
+    )
+    model = mf.build()
+
+    def sampler(b: int) -> tuple[Any, Any, Any]:
+        bt = mf.sample(b)
+        return bt.args, bt.kwargs, bt.targets
+
+    with progress_bar() as progress:
+        plan = plan_model(
+            model,
+            sampler,
+            cluster=cluster,
+            loss_fn=mf.loss,
+            options=options,
+            model_file=str(ns.model_file),
+            progress=progress,
+        )
+    _render(plan, ns)
+    path = save_plan(plan, ns.out)
+    print(f"plan written to {path}")
+    return 0
+
+
+def _cmd_show(ns: argparse.Namespace) -> int:
+    from planner.plan import load_plan
+
+    plan = load_plan(ns.plan_file)
+    _render(plan, ns)
+    return 0
+
+
+def _console() -> Console:
+    """A rich console; wide when the output is a file or pipe (tables stay readable)."""
+    return Console(width=None if sys.stdout.isatty() else 150)
+
+
+def _render(plan: Plan, ns: argparse.Namespace) -> None:
+    from planner.report import print_plan, write_html, write_trace
+
+    print_plan(plan, console=_console())
+    if ns.report:
+        print(f"report written to {write_html(plan, ns.report)}")
+    if ns.trace:
+        print(f"trace written to {write_trace(plan, ns.trace)}")
 
 
 def _cmd_profile(ns: argparse.Namespace) -> int:
@@ -131,5 +287,5 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
         json.dump(prof.to_dict(), sys.stdout, indent=1)
         print()
     else:
-        print_profile(prof, title=f"{ns.model_file} · micro-batch {batch_size}")
+        print_profile(prof, title=f"{ns.model_file} · micro-batch {batch_size}", console=_console())
     return 0

@@ -66,6 +66,9 @@ class ProfileOptions:
             than 1/target_blocks of the work. Set it ≥ the deepest pipeline you
             want.
         cache: read and write the on-disk profile cache.
+        split_points: use exactly these split points instead of the
+            granularity rule (to profile the same chain at another batch size
+            or on another device).
     """
 
     device: str = "local"
@@ -75,6 +78,7 @@ class ProfileOptions:
     threads: int | None = None
     target_blocks: int = 64
     cache: bool = True
+    split_points: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -141,6 +145,7 @@ def profile_model(
             options.warmup,
             _threads(options),
             options.target_blocks,
+            options.split_points,
             loss_fn is not None,
         )
         if options.cache:
@@ -176,6 +181,7 @@ def profile_chain(
             model,
             target_blocks=options.target_blocks,
             node_weight=lambda n: node_time.get(n, 0.0),
+            split_points=options.split_points,
         )
         needs_grad = _requires_grad(cap)
         runners = [_BlockRunner(cap, b, values, needs_grad) for b in chain.blocks]

@@ -87,3 +87,85 @@ def test_console_script_runs() -> None:
         [sys.executable, "-m", "planner", "--version"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0 and proc.stdout.startswith("planner ")
+
+
+def test_plan_writes_a_plan_and_show_rerenders_it(capsys, tmp_path) -> None:
+    out = tmp_path / "plan.yaml"
+    html = tmp_path / "report.html"
+    trace = tmp_path / "trace.json"
+    rc = main(
+        [
+            "plan",
+            str(ROOT / "examples" / "mlp.py"),
+            "--gpus",
+            "4",
+            "--device-type",
+            "h100",
+            "--out",
+            str(out),
+            "--report",
+            str(html),
+            "--trace",
+            str(trace),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert out.exists() and html.exists() and json.loads(trace.read_text())["traceEvents"]
+    assert "proven optimal" in printed and "candidates" in printed
+    rc = main(["show", str(out)])
+    assert rc == 0 and "proven optimal" in capsys.readouterr().out
+
+
+def test_plan_pins_and_bad_batch(capsys, tmp_path) -> None:
+    out = tmp_path / "plan.yaml"
+    rc = main(
+        [
+            "plan",
+            str(ROOT / "examples" / "mlp.py"),
+            "--gpus",
+            "4",
+            "--device-type",
+            "h100",
+            "--pp",
+            "2",
+            "--micro-batches",
+            "4",
+            "--schedule",
+            "1f1b",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    from planner.plan import load_plan
+
+    plan = load_plan(out)
+    assert (plan.pp, plan.dp, plan.micro_batches, plan.schedule) == (2, 2, 4, "1f1b")
+    bad = tmp_path / "bad.yaml"
+    rc = main(
+        [
+            "plan",
+            str(ROOT / "examples" / "mlp.py"),
+            "--gpus",
+            "4",
+            "--device-type",
+            "h100",
+            "--batch-size",
+            "30",
+            "--dp",
+            "4",
+            "--out",
+            str(bad),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 1 and "not divisible" in err and not bad.exists()
+
+
+def test_show_rejects_a_malformed_plan(capsys, tmp_path) -> None:
+    bad = tmp_path / "plan.yaml"
+    bad.write_text("version: 1\nlayout: 3\n")
+    rc = main(["show", str(bad)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "expected" in err

@@ -1,0 +1,551 @@
+"""The plan: a placement a person can read and edit, saved as versioned YAML.
+
+A plan holds everything needed to run it and to re-check or re-solve it
+without the model: the model's fingerprint, the cluster, the batch and
+micro-batching, each stage's split point, modules, blocks and ranks, the
+predicted time and memory of every stage, the solver's record, the candidates
+that lost and why, and the per-block profiles it was solved on.
+
+Files are read with ``yaml.safe_load`` only (no Python tags) and validated
+against the schema below; errors name the key path and the expected type.
+The runtime imports this module (and ``records``) only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from planner.records import ModelProfile
+
+__all__ = [
+    "PLAN_VERSION",
+    "SUPPORTED_VERSIONS",
+    "Candidate",
+    "Plan",
+    "PlanError",
+    "SolverRecord",
+    "StagePlan",
+    "load_plan",
+    "save_plan",
+]
+
+PLAN_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+
+class PlanError(ValueError):
+    """A plan file is malformed, of an unknown version, or inconsistent."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage.
+
+    Attributes:
+        index: 0 is the first stage.
+        split_point: FQN of the module call the stage begins with ("" for the
+            first stage: it begins with the model's inputs).
+        blocks: [first, end) block indices of the profile's chain.
+        modules: the module calls the stage holds.
+        ranks: the device (cluster rank) running this stage, one per replica.
+        device: the device type.
+        recompute: activations recomputed in backward instead of kept.
+        fwd_ms, bwd_ms: predicted compute per micro-batch.
+        send_ms: predicted transfer per micro-batch to the next stage
+            (activations forward + gradients back).
+        sync_ms: predicted gradient all-reduce per step.
+        memory: predicted peak bytes by kind (params, grads, optimizer,
+            buffers, comm_buffers, tied_copies, activations, total) and the
+            device's usable ``capacity``.
+    """
+
+    index: int
+    split_point: str
+    blocks: tuple[int, int]
+    modules: tuple[str, ...]
+    ranks: tuple[int, ...]
+    device: str
+    recompute: bool
+    fwd_ms: float
+    bwd_ms: float
+    send_ms: float
+    sync_ms: float
+    memory: Mapping[str, float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """A configuration the search considered.
+
+    ``status``: "chosen", "slower" (solved, lost on time), "out_of_memory"
+    (no placement fits), "pruned" (a lower bound already lost), "infeasible"
+    (e.g. more stages than split points). ``reason`` says why in words.
+    """
+
+    pp: int
+    dp: int
+    micro_batches: int
+    schedule: str
+    step_ms: float | None
+    status: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverRecord:
+    """How the chosen placement was found and how sure we are of it."""
+
+    name: str
+    status: str  # "optimal" | "time_limit" | "heuristic"
+    gap: float | None
+    bound_ms: float | None
+    solve_s: float
+    time_limit_s: float | None
+    n_segments: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A placement of a model on a cluster. See the module docstring."""
+
+    version: int = PLAN_VERSION
+    model: Mapping[str, Any]  # fingerprint, file, parameters, capture
+    cluster: Mapping[str, Any]  # Cluster.to_dict()
+    global_batch: int
+    micro_batches: int
+    micro_batch_size: int
+    optimizer: str
+    precision: str
+    schedule: str
+    pp: int
+    dp: int
+    stages: tuple[StagePlan, ...]
+    predicted: Mapping[str, float]  # step_ms, closed_form_ms, samples_per_s, bubble_fraction
+    solver: SolverRecord
+    candidates: tuple[Candidate, ...] = ()
+    profiles: tuple[ModelProfile, ...] = ()
+    warnings: tuple[str, ...] = field(default=())
+    parameter_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.model["fingerprint"])
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def split_points(self) -> list[str]:
+        return [s.split_point for s in self.stages[1:]]
+
+    def ranks(self) -> list[list[int]]:
+        """``ranks()[r][s]``: the rank running stage s of replica r."""
+        return [[st.ranks[r] for st in self.stages] for r in range(self.dp)]
+
+    # ----------------------------------------------------------------- dict form
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "model": dict(self.model),
+            "cluster": dict(self.cluster),
+            "training": {
+                "global_batch": self.global_batch,
+                "micro_batches": self.micro_batches,
+                "micro_batch_size": self.micro_batch_size,
+                "optimizer": self.optimizer,
+                "precision": self.precision,
+                "schedule": self.schedule,
+            },
+            "layout": {"pp": self.pp, "dp": self.dp},
+            "stages": [
+                {
+                    "index": s.index,
+                    "split_point": s.split_point,
+                    "blocks": list(s.blocks),
+                    "modules": list(s.modules),
+                    "ranks": list(s.ranks),
+                    "device": s.device,
+                    "recompute": s.recompute,
+                    "fwd_ms": _num(s.fwd_ms),
+                    "bwd_ms": _num(s.bwd_ms),
+                    "send_ms": _num(s.send_ms),
+                    "sync_ms": _num(s.sync_ms),
+                    "memory": {k: _num(v) for k, v in s.memory.items()},
+                }
+                for s in self.stages
+            ],
+            "predicted": {k: _num(v) for k, v in self.predicted.items()},
+            "solver": {
+                "name": self.solver.name,
+                "status": self.solver.status,
+                "gap": _num(self.solver.gap),
+                "bound_ms": _num(self.solver.bound_ms),
+                "solve_s": _num(self.solver.solve_s),
+                "time_limit_s": self.solver.time_limit_s,
+                "n_segments": self.solver.n_segments,
+            },
+            "candidates": [
+                {
+                    "pp": c.pp,
+                    "dp": c.dp,
+                    "micro_batches": c.micro_batches,
+                    "schedule": c.schedule,
+                    "step_ms": _num(c.step_ms),
+                    "status": c.status,
+                    "reason": c.reason,
+                }
+                for c in self.candidates
+            ],
+            "warnings": list(self.warnings),
+            # What the runtime compares to say *what* differs when the fingerprint does not.
+            "parameter_shapes": {k: list(v) for k, v in self.parameter_shapes.items()},
+            "profiles": [p.to_dict() for p in self.profiles],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
+        """Validate ``data`` against the schema and build the plan."""
+        if isinstance(data, Mapping):
+            _check_version(data, source)
+        _check(data, _SCHEMA, source)
+        version = data["version"]
+        tr, lay = data["training"], data["layout"]
+        stages = tuple(
+            StagePlan(
+                index=s["index"],
+                split_point=s["split_point"],
+                blocks=(s["blocks"][0], s["blocks"][1]),
+                modules=tuple(s["modules"]),
+                ranks=tuple(s["ranks"]),
+                device=s["device"],
+                recompute=s["recompute"],
+                fwd_ms=s["fwd_ms"],
+                bwd_ms=s["bwd_ms"],
+                send_ms=s["send_ms"],
+                sync_ms=s["sync_ms"],
+                memory=dict(s["memory"]),
+            )
+            for s in data["stages"]
+        )
+        sv = data["solver"]
+        plan = cls(
+            version=version,
+            model=dict(data["model"]),
+            cluster=dict(data["cluster"]),
+            global_batch=tr["global_batch"],
+            micro_batches=tr["micro_batches"],
+            micro_batch_size=tr["micro_batch_size"],
+            optimizer=tr["optimizer"],
+            precision=tr["precision"],
+            schedule=tr["schedule"],
+            pp=lay["pp"],
+            dp=lay["dp"],
+            stages=stages,
+            predicted=dict(data["predicted"]),
+            solver=SolverRecord(
+                name=sv["name"],
+                status=sv["status"],
+                gap=sv["gap"],
+                bound_ms=sv["bound_ms"],
+                solve_s=sv["solve_s"],
+                time_limit_s=sv["time_limit_s"],
+                n_segments=sv["n_segments"],
+            ),
+            candidates=tuple(Candidate(**c) for c in data.get("candidates") or ()),
+            profiles=tuple(
+                _profile(p, f"{source}.profiles[{k}]")
+                for k, p in enumerate(data.get("profiles") or ())
+            ),
+            warnings=tuple(data.get("warnings") or ()),
+            parameter_shapes={k: tuple(v) for k, v in (data.get("parameter_shapes") or {}).items()},
+        )
+        _check_consistent(plan, source)
+        return plan
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
+    """Write ``plan`` as YAML, atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    text = yaml.dump(plan.to_dict(), Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(_HEADER)
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read and validate a plan file.
+
+    Example::
+
+        plan = load_plan("plan.yaml")
+        print(plan.pp, plan.dp, plan.split_points)
+
+    Raises:
+        PlanError: the file is missing, not YAML, uses Python tags, is of an
+            unknown version, or does not match the schema (the message names
+            the key path and the expected type).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(
+            f"plan file {path} not found; create one with `planner plan model.py --out {path}`"
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise PlanError(
+            f"{path} is not a valid plan file: {exc}\n"
+            "Plan files are plain YAML (no Python tags); regenerate it with `planner plan`."
+        ) from exc
+    return Plan.from_dict(data, source=str(path))
+
+
+class _Dumper(yaml.SafeDumper):
+    """Safe YAML with short lists of numbers/strings on one line ("ranks: [0, 2]")."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
+    flat = all(isinstance(x, (int, float, str, bool)) or x is None for x in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
+
+
+_Dumper.add_representer(list, _represent_list)
+
+
+_HEADER = (
+    "# Placement plan written by `planner plan`. Human-readable and editable;\n"
+    "# `planner show` re-renders it, `planner run` executes it.\n"
+)
+
+
+def _num(x: float | None) -> float | None:
+    """Floats rounded to 6 significant digits (readable, stable across platforms)."""
+    if x is None:
+        return None
+    if not math.isfinite(x):
+        return float(x)
+    return float(f"{x:.6g}")
+
+
+def _profile(data: Any, where: str) -> ModelProfile:
+    if not isinstance(data, Mapping):
+        raise PlanError(f"{where}: expected a mapping (a profile), got {type(data).__name__}")
+    try:
+        return ModelProfile.from_dict(dict(data))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanError(f"{where}: not a valid profile ({exc})") from exc
+
+
+# --------------------------------------------------------------------------- schema
+
+Spec = Any  # a type, a tuple of types, a dict (mapping schema), or a list [item spec]
+
+
+def _opt(spec: Spec) -> tuple[str, Spec]:
+    return ("optional", spec)
+
+
+_NUM = (int, float)
+_STAGE = {
+    "index": int,
+    "split_point": str,
+    "blocks": [int],
+    "modules": [str],
+    "ranks": [int],
+    "device": str,
+    "recompute": bool,
+    "fwd_ms": _NUM,
+    "bwd_ms": _NUM,
+    "send_ms": _NUM,
+    "sync_ms": _NUM,
+    "memory": {"*": _NUM},
+}
+_SCHEMA: dict[str, Spec] = {
+    "version": int,
+    "model": {"fingerprint": str, "*": object},
+    "cluster": {"*": object},
+    "training": {
+        "global_batch": int,
+        "micro_batches": int,
+        "micro_batch_size": int,
+        "optimizer": str,
+        "precision": str,
+        "schedule": str,
+    },
+    "layout": {"pp": int, "dp": int},
+    "stages": [_STAGE],
+    "predicted": {"step_ms": _NUM, "*": _NUM},
+    "solver": {
+        "name": str,
+        "status": str,
+        "gap": _opt(_NUM),
+        "bound_ms": _opt(_NUM),
+        "solve_s": _NUM,
+        "time_limit_s": _opt(_NUM),
+        "n_segments": int,
+    },
+    "candidates": _opt(
+        [
+            {
+                "pp": int,
+                "dp": int,
+                "micro_batches": int,
+                "schedule": str,
+                "step_ms": _opt(_NUM),
+                "status": str,
+                "reason": str,
+            }
+        ]
+    ),
+    "warnings": _opt([str]),
+    "parameter_shapes": _opt({"*": [int]}),
+    "profiles": _opt([{"*": object}]),
+}
+
+
+def _type_name(spec: Spec) -> str:
+    if isinstance(spec, tuple) and spec and spec[0] == "optional":
+        return f"{_type_name(spec[1])} or null"
+    if isinstance(spec, dict):
+        return "a mapping"
+    if isinstance(spec, list):
+        return f"a list of {_type_name(spec[0])}"
+    if spec is _NUM:
+        return "a number"
+    if isinstance(spec, type):
+        return {int: "an integer", str: "a string", bool: "true/false", object: "any value"}.get(
+            spec, spec.__name__
+        )
+    return str(spec)
+
+
+def _check(value: Any, spec: Spec, path: str) -> None:
+    if isinstance(spec, tuple) and spec and spec[0] == "optional":
+        if value is None:
+            return
+        spec = spec[1]
+    if isinstance(spec, dict):
+        if not isinstance(value, Mapping):
+            raise PlanError(f"{path}: expected {_type_name(spec)}, got {_show(value)}")
+        for key, sub in spec.items():
+            if key == "*":
+                continue
+            optional = isinstance(sub, tuple) and sub and sub[0] == "optional"
+            if key not in value:
+                if optional:
+                    continue
+                raise PlanError(f"{path}.{key}: missing (expected {_type_name(sub)})")
+            _check(value[key], sub, f"{path}.{key}")
+        if "*" in spec:
+            for key, item in value.items():
+                if key not in spec:
+                    _check(item, spec["*"], f"{path}.{key}")
+        else:
+            unknown = sorted(str(k) for k in value if k not in spec)
+            if unknown:
+                raise PlanError(
+                    f"{path}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(spec)}"
+                )
+        return
+    if isinstance(spec, list):
+        if not isinstance(value, list):
+            raise PlanError(f"{path}: expected {_type_name(spec)}, got {_show(value)}")
+        for k, item in enumerate(value):
+            _check(item, spec[0], f"{path}[{k}]")
+        return
+    ok = isinstance(value, spec) if spec is not object else True
+    # bool is an int in Python; a plan's integers and numbers must not be booleans.
+    if ok and isinstance(value, bool) and spec is not bool:
+        ok = False
+    if not ok:
+        raise PlanError(f"{path}: expected {_type_name(spec)}, got {_show(value)}")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}"
+
+
+def _check_version(data: Mapping[str, Any], path: str) -> None:
+    version = data.get("version")
+    if version not in SUPPORTED_VERSIONS:
+        supported = ", ".join(map(str, SUPPORTED_VERSIONS))
+        raise PlanError(
+            f"{path}.version: plan format version {version!r} is not supported "
+            f"(this planner reads version {supported}); regenerate the plan with "
+            "`planner plan` or upgrade the planner"
+        )
+
+
+def _check_consistent(plan: Plan, path: str) -> None:
+    """Cross-field rules the schema alone cannot state."""
+    err: Callable[[str], PlanError] = lambda msg: PlanError(f"{path}: {msg}")  # noqa: E731
+    if plan.pp < 1 or plan.dp < 1:
+        raise err(f"layout.pp and layout.dp must be ≥ 1 (got {plan.pp}, {plan.dp})")
+    if len(plan.stages) != plan.pp:
+        raise err(f"layout.pp is {plan.pp} but stages lists {len(plan.stages)} stages")
+    if plan.global_batch != plan.dp * plan.micro_batches * plan.micro_batch_size:
+        raise err(
+            f"training.global_batch {plan.global_batch} ≠ dp × micro_batches × "
+            f"micro_batch_size = {plan.dp} × {plan.micro_batches} × {plan.micro_batch_size}"
+        )
+    seen: set[int] = set()
+    prev_end = 0
+    for k, st in enumerate(plan.stages):
+        where = f"stages[{k}]"
+        if st.index != k:
+            raise err(f"{where}.index is {st.index}, expected {k}")
+        if len(st.ranks) != plan.dp:
+            raise err(f"{where}.ranks has {len(st.ranks)} ranks, expected dp = {plan.dp}")
+        if st.blocks[0] != prev_end or st.blocks[1] <= st.blocks[0]:
+            raise err(
+                f"{where}.blocks {list(st.blocks)} must start at {prev_end} (where the previous "
+                "stage ends) and hold at least one block"
+            )
+        prev_end = st.blocks[1]
+        if k > 0 and not st.split_point:
+            raise err(f"{where}.split_point is empty; every stage after the first needs one")
+        dup = seen & set(st.ranks)
+        if dup:
+            raise err(f"{where}.ranks reuses rank(s) {sorted(dup)} already used by another stage")
+        seen |= set(st.ranks)
+    if seen != set(range(plan.world_size)):
+        raise err(
+            f"the stages' ranks must be exactly 0..{plan.world_size - 1} "
+            f"(pp × dp = {plan.pp} × {plan.dp}); got {sorted(seen)}"
+        )
+    if plan.profiles and prev_end != len(plan.profiles[0].blocks):
+        raise err(
+            f"the stages cover blocks 0..{prev_end - 1} but the profile has "
+            f"{len(plan.profiles[0].blocks)} blocks"
+        )
+
+
+def plan_summary(plan: Plan) -> str:
+    """One line: 'pp 2 × dp 4, 8 micro-batches (gpipe), 123.4 ms/step'."""
+    return (
+        f"pp {plan.pp} × dp {plan.dp}, {plan.micro_batches} micro-batches ({plan.schedule}), "
+        f"{plan.predicted['step_ms']:.1f} ms/step"
+    )
+
+
+def stage_boundaries(plan: Plan) -> Sequence[tuple[int, int]]:
+    return [s.blocks for s in plan.stages]

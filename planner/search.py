@@ -1,0 +1,411 @@
+"""Search over pipeline depth, data-parallel width, micro-batches and schedule.
+
+For every configuration (pp, dp, m, schedule) with pp · dp devices and a
+micro-batch size b = B / (dp · m) that divides the global batch, and for each
+way of laying the stages on the cluster's ranks:
+
+1. a **lower bound** on its step time, from the work alone (each stage at
+   least an even share of the total and at least the heaviest block); a
+   configuration whose bound cannot beat the best found so far is *pruned*
+   without solving anything;
+2. otherwise the **ILP** (``solve``) places the blocks, and the cost model
+   **simulates** the placement's schedule: that simulated step time ranks the
+   configurations.
+
+Configurations are visited in order of their bound, so the best is usually
+found early and most others are pruned. The ranked candidates are kept with
+why each lost. Any of pp, dp, m and the schedule can be pinned.
+
+Activation recompute is chosen per stage inside the cost model: a stage
+recomputes only when it would not fit otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from planner.cluster import Cluster
+from planner.cost import CostModel, Layout, Prediction, Training
+from planner.plan import Candidate
+from planner.records import ModelProfile
+from planner.simulate import SCHEDULES
+from planner.solve import (
+    PartitionInfeasible,
+    PartitionSolution,
+    PartitionTimeout,
+    solve_partition,
+)
+
+__all__ = ["SearchOptions", "SearchResult", "configurations", "layouts", "search"]
+
+log = logging.getLogger(__name__)
+
+ProfileFor = Callable[[str, int], ModelProfile]
+"""profile_for(device_type, micro_batch_size) -> the model's profile there."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchOptions:
+    """What to search, and what is pinned.
+
+    Attributes:
+        pp, dp, micro_batches, schedule: pin a choice (None: search it).
+        solver: "highs" (default), "cbc" or "auto".
+        time_limit_s: per-ILP time limit; the best placement found by then is
+            kept and marked not proven optimal, with its gap.
+        max_micro_batches: the largest m considered.
+        keep: how many candidates the plan records.
+    """
+
+    pp: int | None = None
+    dp: int | None = None
+    micro_batches: int | None = None
+    schedule: str | None = None
+    solver: str = "highs"
+    time_limit_s: float | None = 60.0
+    max_micro_batches: int = 64
+    keep: int = 12
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp", "micro_batches"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {v}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"
+            )
+        if self.time_limit_s is not None and self.time_limit_s <= 0:
+            raise ValueError(f"--time-limit must be > 0 seconds, got {self.time_limit_s}")
+
+
+@dataclass
+class SearchResult:
+    """The winner, and every candidate with its fate."""
+
+    layout: Layout
+    solution: PartitionSolution
+    prediction: Prediction
+    cost: CostModel
+    candidates: list[Candidate] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def layouts(cluster: Cluster, pp: int, dp: int) -> list[tuple[str, tuple[tuple[int, ...], ...]]]:
+    """Ways to lay pp stages × dp replicas on the first pp·dp ranks.
+
+    "pipeline-inside": replica r holds ranks r·pp … r·pp + pp − 1 (stages talk
+    over the fastest links; gradients all-reduce across them).
+    "replicas-inside": stage s holds ranks s·dp … s·dp + dp − 1 (each stage's
+    replicas sit together; one device type per stage on mixed clusters).
+    Each also reversed (the last ranks take the first stages), which matters
+    when device types differ. Duplicates are dropped.
+    """
+    n = pp * dp
+    orders = {"": list(range(n))}
+    if not cluster.homogeneous:
+        orders["reversed "] = list(reversed(range(n)))
+    out: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+    for prefix, ranks in orders.items():
+        for name, fn in (
+            ("pipeline-inside", lambda s, r: r * pp + s),
+            ("replicas-inside", lambda s, r: s * dp + r),
+        ):
+            grid = tuple(tuple(ranks[fn(s, r)] for r in range(dp)) for s in range(pp))
+            key = _signature(cluster, grid)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append((prefix + name, grid))
+    return out
+
+
+def _signature(cluster: Cluster, grid: tuple[tuple[int, ...], ...]) -> tuple:
+    """Layouts with equal device types and node pattern cost the same."""
+    if cluster.homogeneous and cluster.n_nodes == 1:
+        return ()
+    return tuple(
+        tuple((cluster.devices[r].device.key, cluster.devices[r].node) for r in stage)
+        for stage in grid
+    )
+
+
+@dataclass(order=True)
+class _Config:
+    bound: float
+    pp: int
+    dp: int
+    m: int
+    schedule: str
+    layout_name: str = field(compare=False)
+    grid: tuple[tuple[int, ...], ...] = field(compare=False)
+
+
+def search(
+    profile_for: ProfileFor,
+    cluster: Cluster,
+    training: Training,
+    options: SearchOptions | None = None,
+    *,
+    allowed_starts: frozenset[int] | None = None,
+    block_names: list[str] | None = None,
+    n_blocks: int,
+) -> SearchResult:
+    """Find the configuration and placement with the shortest predicted step.
+
+    Raises:
+        ValueError: no configuration is possible (the message says why for the
+            closest ones: memory per stage against capacity, batch divisibility,
+            more stages than split points).
+    """
+    options = options or SearchOptions()
+    configs = configurations(cluster, training, options, n_blocks, allowed_starts)
+    tried: list[tuple[_Config, Candidate]] = []
+    best: SearchResult | None = None
+    best_ms = math.inf
+    for cfg in _bounded(profile_for, cluster, training, configs):
+        if cfg.bound >= best_ms:
+            tried.append(
+                (
+                    cfg,
+                    _candidate(
+                        cfg,
+                        None,
+                        "pruned",
+                        f"lower bound {cfg.bound:.1f} ms ≥ best {best_ms:.1f} ms",
+                    ),
+                )
+            )
+            continue
+        layout = Layout(
+            pp=cfg.pp, dp=cfg.dp, micro_batches=cfg.m, schedule=cfg.schedule, ranks=cfg.grid
+        )
+        b = training.global_batch // (cfg.dp * cfg.m)
+        types = sorted({cluster.devices[r].device.key for st in cfg.grid for r in st})
+        cost = CostModel({t: profile_for(t, b) for t in types}, cluster, training, layout)
+        try:
+            sol = solve_partition(
+                cost.problem(allowed_starts, block_names or ()),
+                solver=options.solver,
+                time_limit_s=options.time_limit_s,
+            )
+        except PartitionInfeasible as exc:
+            tried.append((cfg, _candidate(cfg, None, "out_of_memory", _first_line(str(exc)))))
+            continue
+        except PartitionTimeout as exc:
+            tried.append((cfg, _candidate(cfg, None, "timeout", _first_line(str(exc)))))
+            continue
+        pred = cost.predict(sol.starts)
+        tried.append((cfg, _candidate(cfg, pred.step_ms, "solved", "")))
+        if pred.step_ms < best_ms:
+            best_ms = pred.step_ms
+            best = SearchResult(layout=layout, solution=sol, prediction=pred, cost=cost)
+    if best is None:
+        reasons = [c.reason for _, c in tried if c.status in ("out_of_memory", "timeout")]
+        raise ValueError(
+            "no configuration fits: every candidate ran out of memory or time.\n"
+            + "\n".join(f"  {r}" for r in reasons[: options.keep])
+            + "\nFix: use more or larger devices, a smaller batch or more micro-batches, "
+            "--precision bf16-mixed, or --optimizer sgd."
+        )
+    best.candidates = _ranked(tried, best, best_ms, options.keep)
+    best.warnings = _warnings(best, options)
+    return best
+
+
+def configurations(
+    cluster: Cluster,
+    training: Training,
+    options: SearchOptions,
+    n_blocks: int | None = None,
+    allowed_starts: frozenset[int] | None = None,
+) -> list[tuple[int, int, int, str]]:
+    """Every (pp, dp, micro_batches, schedule) the search considers.
+
+    Raises:
+        ValueError: none is possible; the message gives the arithmetic of each
+            rejection (batch divisibility, devices, more stages than blocks).
+    """
+    configs, rejected = _enumerate(cluster, training, options, n_blocks, allowed_starts)
+    if not configs:
+        raise ValueError(_nothing_possible(training, cluster, options, rejected))
+    return configs
+
+
+def _enumerate(
+    cluster: Cluster,
+    training: Training,
+    options: SearchOptions,
+    n_blocks: int | None,
+    allowed_starts: frozenset[int] | None,
+) -> tuple[list[tuple[int, int, int, str]], list[str]]:
+    n_dev = cluster.n_devices
+    if n_blocks is None:
+        max_stages = n_dev
+    else:
+        max_stages = (len(allowed_starts) if allowed_starts is not None else n_blocks - 1) + 1
+    rejected: list[str] = []
+    out: list[tuple[int, int, int, str]] = []
+    pps = [options.pp] if options.pp else [p for p in range(1, n_dev + 1) if n_dev % p == 0]
+    for pp in pps:
+        if pp > max_stages:
+            rejected.append(f"pp {pp} > {max_stages} (blocks with legal split points)")
+            continue
+        dps = [options.dp] if options.dp else ([n_dev // pp] if n_dev % pp == 0 else [])
+        for dp in dps:
+            if pp * dp > n_dev:
+                rejected.append(f"pp × dp = {pp} × {dp} > {n_dev} devices")
+                continue
+            if training.global_batch % dp:
+                rejected.append(f"batch {training.global_batch} not divisible by dp {dp}")
+                continue
+            per_replica = training.global_batch // dp
+            ms = (
+                [options.micro_batches]
+                if options.micro_batches
+                else [
+                    m
+                    for m in range(1, min(per_replica, options.max_micro_batches) + 1)
+                    if per_replica % m == 0
+                ]
+            )
+            for m in ms:
+                if per_replica % m:
+                    rejected.append(
+                        f"replica batch {per_replica} (= {training.global_batch} / dp {dp}) "
+                        f"not divisible by {m} micro-batches"
+                    )
+                    continue
+                for sched in [options.schedule] if options.schedule else list(SCHEDULES):
+                    if pp == 1 and sched == "1f1b":
+                        continue  # one stage: both schedules are the same
+                    out.append((pp, dp, m, sched))
+    return out, rejected
+
+
+def _bounded(
+    profile_for: ProfileFor,
+    cluster: Cluster,
+    training: Training,
+    configs: list[tuple[int, int, int, str]],
+) -> Iterator[_Config]:
+    """Configurations with their lower bounds, best bound first."""
+    fastest: dict[int, tuple[float, float]] = {}
+    out = []
+    for pp, dp, m, sched in configs:
+        b = training.global_batch // (dp * m)
+        if b not in fastest:
+            fastest[b] = _work_bounds(profile_for, cluster, b)
+        total, heaviest = fastest[b]
+        share = max(total / pp, heaviest)
+        bound = total + (m - 1) * share
+        for name, grid in layouts(cluster, pp, dp):
+            out.append(_Config(bound, pp, dp, m, sched, name, grid))
+    out.sort()
+    yield from out
+
+
+def _work_bounds(profile_for: ProfileFor, cluster: Cluster, b: int) -> tuple[float, float]:
+    """(Σ block work, heaviest block) at micro-batch b on the fastest device type."""
+    best_total, best_heavy = math.inf, math.inf
+    for t in cluster.device_types:
+        prof = profile_for(t, b)
+        works = [x.fwd_ms + x.bwd_ms for x in prof.blocks]
+        best_total = min(best_total, sum(works) + prof.loss_fwd_ms + prof.loss_bwd_ms)
+        best_heavy = min(best_heavy, max(works))
+    return best_total, best_heavy
+
+
+def _candidate(cfg: _Config, step_ms: float | None, status: str, reason: str) -> Candidate:
+    return Candidate(
+        pp=cfg.pp,
+        dp=cfg.dp,
+        micro_batches=cfg.m,
+        schedule=cfg.schedule,
+        step_ms=step_ms,
+        status=status,
+        reason=(f"{cfg.layout_name}: {reason}" if reason else cfg.layout_name),
+    )
+
+
+def _ranked(
+    tried: list[tuple[_Config, Candidate]], best: SearchResult, best_ms: float, keep: int
+) -> list[Candidate]:
+    solved = sorted(
+        (c for _, c in tried if c.step_ms is not None), key=lambda c: (c.step_ms, c.pp, c.dp)
+    )
+    out: list[Candidate] = []
+    chosen = False
+    for c in solved:
+        if (
+            not chosen
+            and c.step_ms == best_ms
+            and (c.pp, c.dp, c.micro_batches, c.schedule)
+            == (best.layout.pp, best.layout.dp, best.layout.micro_batches, best.layout.schedule)
+        ):
+            out.append(_with(c, "chosen", f"{c.reason}: fastest predicted step"))
+            chosen = True
+        else:
+            assert c.step_ms is not None
+            slower = (c.step_ms - best_ms) / best_ms
+            out.append(_with(c, "slower", f"{c.reason}: {c.step_ms:.1f} ms, +{slower:.1%}"))
+    others = [c for _, c in tried if c.step_ms is None]
+    oom = [c for c in others if c.status == "out_of_memory"]
+    rest = [c for c in others if c.status != "out_of_memory"]
+    return (out[: max(keep - 2, 1)] + oom[:1] + rest[:1] + out[max(keep - 2, 1) :])[:keep]
+
+
+def _with(c: Candidate, status: str, reason: str) -> Candidate:
+    return Candidate(
+        pp=c.pp,
+        dp=c.dp,
+        micro_batches=c.micro_batches,
+        schedule=c.schedule,
+        step_ms=c.step_ms,
+        status=status,
+        reason=reason,
+    )
+
+
+def _warnings(best: SearchResult, options: SearchOptions) -> list[str]:
+    out = []
+    lay = best.layout
+    if lay.pp > 1 and lay.micro_batches < lay.pp:
+        out.append(
+            f"{lay.micro_batches} micro-batches for {lay.pp} stages: the pipeline bubble is "
+            f"{best.prediction.bubble_fraction:.0%} of the step; more micro-batches (a larger "
+            "batch) would shrink it"
+        )
+    if best.solution.status != "optimal":
+        gap = f"{best.solution.gap:.2%}" if best.solution.gap is not None else "unknown"
+        out.append(
+            f"the solver stopped at its time limit ({options.time_limit_s} s) before proving "
+            f"the placement optimal (gap {gap}); raise --time-limit for a proof"
+        )
+    for st in best.prediction.stages:
+        if st.memory.total > 0.9 * st.capacity:
+            out.append(
+                f"stage {st.index} uses {st.memory.total / 2**30:.2f} GiB of "
+                f"{st.capacity / 2**30:.2f} GiB usable: little room for fragmentation"
+            )
+    return out
+
+
+def _nothing_possible(
+    training: Training, cluster: Cluster, options: SearchOptions, rejected: list[str]
+) -> str:
+    lines = "\n".join(f"  {r}" for r in dict.fromkeys(rejected))
+    return (
+        f"no configuration is possible for batch {training.global_batch} on "
+        f"{cluster.n_devices} devices:\n{lines}\n"
+        "Fix: choose a global batch divisible by dp × micro-batches (e.g. a multiple of "
+        f"{cluster.n_devices}), or pin --pp/--dp/--micro-batches to values that divide it."
+    )
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text

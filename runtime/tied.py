@@ -1,0 +1,171 @@
+"""Tied parameters across stages: one tensor in the model, a copy in each stage that uses it.
+
+See the note below for why, and how.
+"""
+
+# [Note: why tied grads are all-reduced]
+#
+# A tied weight is one tensor used in two places, e.g. GPT's token embedding
+# (stage 0) and its LM head (the last stage): the head's ``weight`` *is*
+# ``tok_emb.weight``. In one process its gradient is the sum of both uses'
+# contributions, g = g_emb + g_head, and one optimizer update keeps it one
+# tensor. ``pipeline()`` puts a separate copy in every stage that reads it
+# (``Pipe.__init__`` deep-copies each entry of ``replicated_params``; stage 0
+# holds it as ``tok_emb.weight``, the last stage as ``head.weight``) and never
+# syncs them: each copy would see only its own stage's contribution, the copies
+# would drift apart after the first step, and neither would be the model's
+# weight. So after backward (and after DDP has averaged each copy over the
+# replicas) and before the optimizer step, the copies' gradients are summed
+# (all-reduce SUM) among the ranks of one replica that hold a copy. Every copy
+# then has g_emb + g_head, the gradient of the unsplit model; starting from
+# equal values (broadcast once at start-up), with equal gradients and the same
+# optimizer, the copies stay bit-identical step after step. One process group
+# per tied set per replica (replicas are already averaged by DDP).
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.plan import Plan
+from runtime.mesh import Mesh
+from runtime.stages import StageModule
+
+__all__ = ["TiedGroup", "TiedParams", "build_tied", "tied_sets"]
+
+log = logging.getLogger(__name__)
+
+
+def tied_sets(plan: Plan, model: nn.Module) -> list[tuple[str, ...]]:
+    """Every set of parameter names that are one tensor in ``model``, in model order.
+
+    Example::
+
+        >>> tied_sets(plan, gpt)  # doctest: +SKIP
+        [('tok_emb.weight', 'head.weight')]
+
+    The model (identity of its tensors) is the truth; the plan's profile
+    (``plan.profiles[0].tied``) is checked against it, and a set the plan lists
+    that the model does not tie is logged and ignored.
+    """
+    by_tensor: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+    sets = [tuple(names) for names in by_tensor.values() if len(names) > 1]
+    planned = plan.profiles[0].tied if plan.profiles else ()
+    for ts in planned:
+        if not any(set(ts.names) <= set(s) for s in sets):
+            log.warning(
+                "the plan lists %s as tied, but they are not one tensor in this model; "
+                "treating them as separate parameters",
+                list(ts.names),
+            )
+    return sets
+
+
+@dataclass(frozen=True, eq=False)
+class TiedGroup:
+    """One tied set in this rank's replica.
+
+    Attributes:
+        names: every FQN of the tensor.
+        stages: the stages holding a copy (the same in every replica).
+        ranks: this replica's ranks holding a copy, in stage order.
+        param: this rank's copy, or None when its stage holds none.
+        group: the process group of ``ranks`` (None when this rank is not in it).
+    """
+
+    names: tuple[str, ...]
+    stages: tuple[int, ...]
+    ranks: tuple[int, ...]
+    param: nn.Parameter | None
+    group: dist.ProcessGroup | None
+
+
+class TiedParams:
+    """The tied sets held by several stages, and the all-reduce that keeps their copies equal."""
+
+    def __init__(self, groups: Sequence[TiedGroup]) -> None:
+        self.groups = tuple(groups)
+
+    @property
+    def mine(self) -> tuple[TiedGroup, ...]:
+        """The groups this rank holds a copy in."""
+        return tuple(g for g in self.groups if g.param is not None)
+
+    def broadcast_weights(self) -> None:
+        """Make every copy equal to the first stage's (once, at start-up)."""
+        for g in self.mine:
+            assert g.param is not None and g.group is not None
+            with torch.no_grad():
+                dist.broadcast(g.param.data, src=g.ranks[0], group=g.group)
+
+    def sync_grads(self) -> None:
+        """Sum the copies' gradients (see the module's note); call after backward, before step."""
+        works = []
+        for g in self.mine:
+            p = g.param
+            assert p is not None and g.group is not None
+            if p.grad is None:  # this stage's use did not reach the loss: contribute zeros
+                p.grad = torch.zeros_like(p)
+            works.append(
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=g.group, async_op=True)
+            )
+        for work in works:
+            assert work is not None
+            work.wait()
+
+
+def build_tied(sets: Sequence[tuple[str, ...]], stage: StageModule, mesh: Mesh) -> TiedParams:
+    """The process groups of the tied sets that several stages hold, and equal start values.
+
+    Example::
+
+        tied = build_tied(tied_sets(plan, model), stage, mesh)
+        ...; schedule.step(...); tied.sync_grads(); optimizer.step()
+
+    Which stages hold a copy is read from ``stage.held`` (every stage's kept
+    names, the same on every rank), so every rank creates the same groups in
+    the same order, as ``dist.new_group`` requires. A set used by one stage
+    only is one tensor there: nothing to sync.
+    """
+    groups: list[TiedGroup] = []
+    for names in sets:
+        holders = tuple(s for s, held in enumerate(stage.held) if held & set(names))
+        if len(holders) < 2:
+            continue
+        param = _local_copy(stage.module, names) if mesh.stage in holders else None
+        for r in range(mesh.dp):
+            ranks = tuple(mesh.grid[r][s] for s in holders)
+            pg = dist.new_group(sorted(ranks))
+            if r == mesh.replica:
+                mine = mesh.rank in ranks
+                groups.append(
+                    TiedGroup(
+                        names=tuple(names),
+                        stages=holders,
+                        ranks=ranks,
+                        param=param if mine else None,
+                        group=pg if mine else None,
+                    )
+                )
+        log.info(
+            "%s tied %s: copies on stages %s, gradients summed",
+            mesh.prefix,
+            list(names),
+            list(holders),
+        )
+    tied = TiedParams(groups)
+    tied.broadcast_weights()
+    return tied
+
+
+def _local_copy(module: nn.Module, names: tuple[str, ...]) -> nn.Parameter:
+    found = {id(p): p for n, p in module.named_parameters(remove_duplicate=False) if n in names}
+    assert len(found) == 1, f"stage holds {len(found)} distinct copies of tied {names}"
+    return next(iter(found.values()))

@@ -1,0 +1,408 @@
+"""Tests for planner.cluster: devices, nodes, links, and the cluster file format."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from planner import cluster as cluster_mod
+from planner.catalogue import get_device, local_cpu
+from planner.cluster import (
+    DEFAULT_INTER_NODE_BANDWIDTH,
+    DEFAULT_INTER_NODE_LATENCY_S,
+    DEFAULT_INTRA_NODE_LATENCY_S,
+    LOOPBACK_BANDWIDTH,
+    LOOPBACK_LATENCY_S,
+    Cluster,
+    ClusterDevice,
+    from_gpus,
+    load_cluster,
+    parse_cluster,
+)
+
+GIB = 2**30
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "clusters"
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+# --- from_gpus -----------------------------------------------------------------------
+
+
+def test_from_gpus_with_a_device_type_is_one_node_with_nvlink():
+    c = from_gpus(4, "H100-SXM")
+    assert c.n_devices == 4 and c.n_nodes == 1 and c.devices_per_node() == [4]
+    assert c.device_types == ("h100",) and c.homogeneous and c.backend == "nccl"
+    assert all(d.device == get_device("h100") and d.threads == 0 for d in c.devices)
+    assert [(d.rank, d.node, d.local_index) for d in c.devices] == [(i, 0, i) for i in range(4)]
+    assert c.intra_node_bandwidth == 450e9  # 900 GB/s bidirectional total / 2
+    assert c.intra_node_latency_s == DEFAULT_INTRA_NODE_LATENCY_S
+    assert c.name == "4xh100"
+
+
+def test_from_gpus_lays_out_more_than_8_as_nodes_of_8():
+    c = from_gpus(16, "h100")
+    assert c.devices_per_node() == [8, 8] and c.n_nodes == 2
+    assert [d.node for d in c.devices] == [0] * 8 + [1] * 8
+    assert [d.local_index for d in c.devices] == list(range(8)) * 2
+    assert c.inter_node_bandwidth == DEFAULT_INTER_NODE_BANDWIDTH == 50e9
+    assert c.inter_node_latency_s == DEFAULT_INTER_NODE_LATENCY_S
+    assert c.name == "2x8xh100"
+    assert c.describe() == "2 nodes × 8 h100 (79.6 GiB), NVLink 450 GB/s inside, 50 GB/s between"
+    # Not a multiple of 8: one node, as the docstring says.
+    assert from_gpus(12, "h100").devices_per_node() == [12]
+    assert from_gpus(8, "h100").devices_per_node() == [8]
+
+
+def test_from_gpus_memory_override_and_pcie_only_device():
+    c = from_gpus(2, "a100", memory_gib=70)
+    assert all(d.device.memory_bytes == 70 * GIB for d in c.devices)
+    assert c.intra_node_bandwidth == 300e9
+    l4 = from_gpus(2, "l4")
+    assert l4.intra_node_bandwidth == 32e9  # no NVLink: PCIe 4.0 x16, 64 GB/s total / 2
+    assert "PCIe 32 GB/s inside" in l4.describe()
+
+
+def test_from_gpus_without_a_device_uses_the_local_gpu(monkeypatch):
+    monkeypatch.setattr(cluster_mod, "local_accelerator", lambda: get_device("h200"))
+    c = from_gpus(16)
+    assert c.device_types == ("h200",) and c.devices_per_node() == [8, 8]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_from_gpus_without_a_gpu_splits_the_local_cpu(monkeypatch, n):
+    import torch
+
+    monkeypatch.setattr(cluster_mod, "local_accelerator", lambda: None)
+    threads_before = torch.get_num_threads()
+    c = from_gpus(n)
+    assert torch.get_num_threads() == threads_before  # measured, then restored
+    threads = max(1, _cores() // n)
+    ram = local_cpu().memory_bytes
+    assert c.n_devices == n and c.n_nodes == 1 and c.backend == "gloo"
+    assert c.device_types == ("cpu",) and c.homogeneous
+    for d in c.devices:
+        assert d.device.kind == "cpu" and d.threads == threads
+        assert d.device.memory_bytes == ram // n
+        assert f"({threads} threads)" in d.device.name
+    assert c.intra_node_bandwidth == LOOPBACK_BANDWIDTH
+    assert c.intra_node_latency_s == LOOPBACK_LATENCY_S
+    assert c.name == f"{n}xcpu"
+    assert "loopback" in c.describe() or n == 1
+
+
+def test_from_gpus_cpu_by_name_and_memory_override():
+    c = from_gpus(2, "cpu", memory_gib=1)
+    assert c.backend == "gloo" and all(d.device.memory_bytes == GIB for d in c.devices)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        ((0, "h100"), {}, "positive whole number"),
+        ((2.5, "h100"), {}, "positive whole number"),
+        ((2, "h1000"), {}, "unknown device type 'h1000'.*did you mean 'h100'"),
+        ((2, "h100"), {"memory_gib": 0}, "memory_gib must be a positive"),
+    ],
+)
+def test_from_gpus_errors(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        from_gpus(*args, **kwargs)
+
+
+# --- example files -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("file", "per_node", "types", "intra", "inter"),
+    [
+        ("8xa100.yaml", [8], ("a100-80gb",), 300e9, DEFAULT_INTER_NODE_BANDWIDTH),
+        ("2x8xh100.yaml", [8, 8], ("h100",), 450e9, 50e9),
+        ("mixed-a100-v100.yaml", [8], ("a100-80gb", "v100-32gb"), 16e9, 50e9),
+        ("64xh100.yaml", [8] * 8, ("h100",), 450e9, 50e9),
+    ],
+)
+def test_example_files_load(file, per_node, types, intra, inter):
+    c = load_cluster(EXAMPLES / file)
+    assert c.name == file.removesuffix(".yaml")
+    assert c.devices_per_node() == per_node and c.device_types == types
+    assert c.intra_node_bandwidth == intra and c.inter_node_bandwidth == inter
+    assert c.intra_node_latency_s == 5e-6 and c.inter_node_latency_s == 10e-6
+    assert c.homogeneous == (len(types) == 1)
+
+
+def test_mixed_example_keeps_each_types_memory_and_order():
+    c = load_cluster(EXAMPLES / "mixed-a100-v100.yaml")
+    assert [d.device.key for d in c.devices] == ["a100-80gb"] * 4 + ["v100-32gb"] * 4
+    assert c.devices[0].device.memory_bytes == 80 * GIB
+    assert c.devices[7].device.memory_bytes == get_device("v100-32gb").memory_bytes
+    assert c.describe() == (
+        "1 node × [4 a100-80gb (80.0 GiB) + 4 v100-32gb (31.7 GiB)], PCIe 16 GB/s inside"
+    )
+
+
+def test_mixed_node_defaults_to_the_slower_pcie_and_nodes_to_the_slowest():
+    mixed = parse_cluster({"nodes": [{"devices": [{"type": "a100"}, {"type": "v100"}]}]})
+    assert mixed.intra_node_bandwidth == 16e9  # the V100's 32 GB/s total / 2
+    assert mixed.name == "mixed-2"
+    two = parse_cluster({"nodes": [{"type": "h100", "count": 2}, {"type": "v100", "count": 2}]})
+    assert two.intra_node_bandwidth == 150e9  # V100 NVLink 300 / 2 < H100's 450
+    assert two.describe().startswith("2 nodes: 2 h100 (79.6 GiB) | 2 v100-32gb (31.7 GiB)")
+
+
+# --- links ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_nodes() -> Cluster:
+    return parse_cluster(
+        {
+            "nodes": [{"type": "h100", "count": 4, "repeat": 2}],
+            "links": {
+                "intra_node_gbs": 400,
+                "inter_node_gbs": 25,
+                "intra_node_latency_us": 2,
+                "inter_node_latency_us": 20,
+            },
+        }
+    )
+
+
+def test_bandwidth_and_latency_inside_and_between_nodes(two_nodes):
+    c = two_nodes
+    assert c.bandwidth(0, 3) == c.bandwidth(3, 0) == 400e9
+    assert c.bandwidth(3, 4) == c.bandwidth(0, 7) == 25e9
+    assert c.latency(1, 2) == pytest.approx(2e-6) and c.latency(2, 5) == pytest.approx(20e-6)
+    assert c.bandwidth(5, 5) == float("inf") and c.latency(5, 5) == 0.0
+    with pytest.raises(ValueError, match=r"rank 8 is not in cluster.*ranks 0\.\.7"):
+        c.bandwidth(0, 8)
+
+
+def test_p2p_time(two_nodes):
+    c = two_nodes
+    assert c.p2p_time(0, 1, 4e9) == pytest.approx(2e-6 + 4e9 / 400e9)
+    assert c.p2p_time(0, 4, 4e9) == pytest.approx(20e-6 + 4e9 / 25e9)
+    assert c.p2p_time(2, 2, 4e9) == 0.0
+    assert c.p2p_time(0, 1, 0) == pytest.approx(2e-6)
+    with pytest.raises(ValueError, match="nbytes"):
+        c.p2p_time(0, 1, -1)
+
+
+def test_allreduce_time_is_the_ring_formula(two_nodes):
+    c, size = two_nodes, 1e9
+
+    def ring(n, bw, lat):
+        return 2 * (n - 1) / n * size / bw + 2 * (n - 1) * lat
+
+    assert c.allreduce_time([0, 1, 2, 3], size) == pytest.approx(ring(4, 400e9, 2e-6))
+    # Across nodes the ring's slowest link is the inter-node one.
+    assert c.allreduce_time(range(8), size) == pytest.approx(ring(8, 25e9, 20e-6))
+    assert c.allreduce_time([4, 0], size) == pytest.approx(ring(2, 25e9, 20e-6))
+    assert c.allreduce_time([6], size) == 0.0
+    with pytest.raises(ValueError, match="distinct"):
+        c.allreduce_time([1, 1], size)
+    with pytest.raises(ValueError, match="distinct"):
+        c.allreduce_time([], size)
+    with pytest.raises(ValueError, match="rank 9"):
+        c.allreduce_time([0, 9], size)
+
+
+# --- plan-file round trip ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: load_cluster(EXAMPLES / "2x8xh100.yaml"),
+        lambda: load_cluster(EXAMPLES / "mixed-a100-v100.yaml"),
+        lambda: from_gpus(3, "a100", memory_gib=33.3),
+        lambda: from_gpus(2, "cpu"),
+        lambda: parse_cluster({"nodes": [{"type": "l4", "count": 3}, {"type": "l4"}]}),
+    ],
+)
+def test_to_dict_from_dict_round_trip(make):
+    c = make()
+    data = c.to_dict()
+    assert list(data) == ["name", "backend", "nodes", "links"]
+    text = yaml.safe_dump(data, sort_keys=False)
+    assert yaml.safe_dump(make().to_dict(), sort_keys=False) == text  # deterministic
+    back = Cluster.from_dict(yaml.safe_load(text))
+    assert back == c and hash(back) == hash(c)
+    assert yaml.safe_dump(back.to_dict(), sort_keys=False) == text
+
+
+def test_to_dict_groups_equal_devices():
+    data = load_cluster(EXAMPLES / "mixed-a100-v100.yaml").to_dict()
+    assert data["nodes"] == [
+        {
+            "devices": [
+                {"type": "a100-80gb", "count": 4, "memory_bytes": 80 * GIB, "threads": 0},
+                {
+                    "type": "v100-32gb",
+                    "count": 4,
+                    "memory_bytes": get_device("v100-32gb").memory_bytes,
+                    "threads": 0,
+                },
+            ]
+        }
+    ]
+    assert data["links"]["intra_node_bandwidth"] == 16e9
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda d: d.update(backend="gloo"), r"cluster\.backend: 'gloo' does not fit"),
+        (lambda d: d["nodes"][0].update(type="h100"), r"cluster\.nodes\[0\]\.type: unknown key"),
+        (lambda d: d["links"].update(intra_node_gbs=1), r"cluster\.links\.intra_node_gbs"),
+        (
+            lambda d: d["nodes"][1]["devices"][0].update(threads=2),
+            r"cluster\.nodes\[1\]\.devices\[0\]\.threads: only CPU",
+        ),
+    ],
+)
+def test_from_dict_errors_name_the_key_path(change, match):
+    data = from_gpus(16, "h100").to_dict()
+    change(data)
+    with pytest.raises(ValueError, match=match):
+        Cluster.from_dict(data)
+
+
+# --- cluster-file validation -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("", r"cluster\.nodes: the cluster is empty.*add e\.g\."),
+        ("nodes: []", r"cluster\.nodes: the cluster is empty"),
+        ("- type: h100", r"cluster: expected a mapping"),
+        ("nodes: {type: h100}", r"cluster\.nodes: must be a list"),
+        (
+            "nodez: []",
+            r"cluster\.nodez: unknown key 'nodez'; allowed here: name, nodes, links",
+        ),
+        (
+            "nodes: [{type: h100, cuont: 8}]",
+            r"cluster\.nodes\[0\]\.cuont: unknown key 'cuont'; allowed here: type, count, "
+            r"memory_gib, threads, repeat",
+        ),
+        (
+            "nodes: [{type: h100}, {devices: [{type: h100, repeat: 2}]}]",
+            r"cluster\.nodes\[1\]\.devices\[0\]\.repeat: unknown key 'repeat'",
+        ),
+        (
+            "nodes: [{type: h100}, {devices: [{type: h1000}]}]",
+            r"cluster\.nodes\[1\]\.devices\[0\]\.type: unknown device type 'h1000'.*known: "
+            r"a100-40gb, .*h100",
+        ),
+        ("nodes: [{count: 8}]", r"cluster\.nodes\[0\]: no 'type:' key.*one of a100-40gb"),
+        ("nodes: [{type: h100, count: 0}]", r"cluster\.nodes\[0\]\.count: must be a whole"),
+        ("nodes: [{type: h100, count: 2.5}]", r"cluster\.nodes\[0\]\.count: must be a whole"),
+        ("nodes: [{type: h100, repeat: -1}]", r"cluster\.nodes\[0\]\.repeat: must be a whole"),
+        ("nodes: [{devices: []}]", r"cluster\.nodes\[0\]\.devices: must be a non-empty list"),
+        (
+            "nodes: [{type: h100, devices: [{type: h100}]}]",
+            r"cluster\.nodes\[0\]: has both 'type:' and 'devices:'",
+        ),
+        (
+            "nodes: [{type: h100, memory_gib: 0}]",
+            r"cluster\.nodes\[0\]\.memory_gib: must be a positive number, got 0",
+        ),
+        (
+            "nodes: [{type: h100}]\nlinks: {intra_node_gbs: -5}",
+            r"cluster\.links\.intra_node_gbs: must be a positive number, got -5",
+        ),
+        (
+            "nodes: [{type: h100}]\nlinks: {inter_node_gbs: 0}",
+            r"cluster\.links\.inter_node_gbs: must be a positive number",
+        ),
+        (
+            "nodes: [{type: h100}]\nlinks: {inter_node_latency_us: -1}",
+            r"cluster\.links\.inter_node_latency_us: must be a number >= 0",
+        ),
+        (
+            "nodes: [{type: h100}]\nlinks: {intra_node_gbps: 5}",
+            r"cluster\.links\.intra_node_gbps: unknown key.*allowed here: intra_node_gbs",
+        ),
+        (
+            "nodes: [{type: h100, threads: 4}]",
+            r"cluster\.nodes\[0\]\.threads: only CPU devices have threads",
+        ),
+        (
+            "nodes: [{type: h100}, {devices: [{type: h100}, {type: cpu}]}]",
+            r"cluster\.nodes\[1\]\.devices\[1\]\.type: a CPU device, but "
+            r"cluster\.nodes\[0\]\.type is a GPU.*one backend",
+        ),
+        ("name: ''\nnodes: [{type: h100}]", r"cluster\.name: must be a non-empty string"),
+        (
+            "nodes: [{type: cpu, repeat: 2}]",
+            r"cluster\.links\.inter_node_gbs: missing: CPU nodes have no default",
+        ),
+    ],
+)
+def test_validation_errors_name_the_key_path(tmp_path, text, match):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match) as info:
+        load_cluster(path)
+    assert str(info.value).startswith(f"{path}: cluster")
+
+
+def test_python_tags_are_refused(tmp_path):
+    path = tmp_path / "evil.yaml"
+    path.write_text("nodes: !!python/object/apply:os.system ['echo hi']\n")
+    with pytest.raises(ValueError, match=r"(?s)python/object.*only plain YAML"):
+        load_cluster(path)
+    path.write_text("name: !!python/object:planner.cluster.Cluster {}\nnodes: [{type: h100}]\n")
+    with pytest.raises(ValueError, match="only plain YAML"):
+        load_cluster(path)
+
+
+def test_cpu_nodes_split_ram_and_cores_by_default():
+    c = parse_cluster({"nodes": [{"type": "cpu", "count": 2}]})
+    assert all(d.threads == max(1, _cores() // 2) for d in c.devices)
+    assert all(d.device.memory_bytes == local_cpu().memory_bytes // 2 for d in c.devices)
+    c = parse_cluster(
+        {
+            "nodes": [{"type": "cpu", "threads": 1, "memory_gib": 2, "repeat": 2}],
+            "links": {"inter_node_gbs": 1.25},
+        }
+    )
+    assert c.backend == "gloo" and c.devices_per_node() == [1, 1]
+    assert c.inter_node_bandwidth == 1.25e9
+    assert all(d.threads == 1 and d.device.memory_bytes == 2 * GIB for d in c.devices)
+
+
+# --- the Cluster constructor -------------------------------------------------------
+
+
+def test_constructor_checks_layout_and_backend():
+    h100 = get_device("h100")
+    links = dict(
+        intra_node_bandwidth=1e9,
+        inter_node_bandwidth=1e9,
+        intra_node_latency_s=0.0,
+        inter_node_latency_s=0.0,
+    )
+    ok = [
+        ClusterDevice(rank=0, node=0, local_index=0, device=h100),
+        ClusterDevice(rank=1, node=1, local_index=0, device=h100),
+    ]
+    assert Cluster(name="x", devices=tuple(ok), backend="nccl", **links).n_nodes == 2
+    with pytest.raises(ValueError, match="no devices"):
+        Cluster(name="x", devices=(), backend="nccl", **links)
+    bad = [ok[0], ClusterDevice(rank=1, node=0, local_index=0, device=h100)]
+    with pytest.raises(ValueError, match="rank order"):
+        Cluster(name="x", devices=tuple(bad), backend="nccl", **links)
+    with pytest.raises(ValueError, match="use 'nccl'"):
+        Cluster(name="x", devices=tuple(ok), backend="gloo", **links)
+    with pytest.raises(ValueError, match="intra_node_bandwidth must be > 0"):
+        Cluster(name="x", devices=tuple(ok), backend="nccl", **{**links, "intra_node_bandwidth": 0})
+    with pytest.raises(ValueError, match="0 for a GPU"):
+        ClusterDevice(rank=0, node=0, local_index=0, device=h100, threads=2)

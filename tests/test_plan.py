@@ -1,0 +1,145 @@
+"""Plans: planning a small model end to end, saving, loading, validating."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import nn
+
+from planner.api import PlanOptions, plan_model
+from planner.cluster import from_gpus
+from planner.cost import Training
+from planner.plan import Plan, PlanError, load_plan, save_plan
+from planner.profile import ProfileOptions
+from planner.search import SearchOptions
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
+
+
+class Tower(nn.Module):
+    """An embedding, uneven layers and a tied head: the first and last stages are heavy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(512, 64)
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        self.head = nn.Linear(64, 512, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for layer in self.layers:
+            h = h + torch.relu(layer(h))
+        return self.head(h)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _plan(devices: int = 4, **search) -> Plan:
+    torch.manual_seed(0)
+    idx = torch.randint(0, 512, (16, 8))
+    return plan_model(
+        Tower(),
+        (idx, idx),
+        cluster=from_gpus(devices, "h100"),
+        loss_fn=_loss,
+        options=PlanOptions(
+            training=Training(global_batch=16),
+            search=SearchOptions(**search),
+            profile=ProfileOptions(repeats=1, warmup=0),
+        ),
+        model_file="tower.py",
+    )
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    return _plan(pp=2)
+
+
+def test_plan_has_stages_ranks_and_a_proof(plan: Plan) -> None:
+    assert plan.pp == 2 and plan.dp == 2 and len(plan.stages) == 2
+    assert plan.global_batch == plan.dp * plan.micro_batches * plan.micro_batch_size
+    assert plan.stages[0].split_point == "" and plan.stages[1].split_point
+    assert sorted(r for s in plan.stages for r in s.ranks) == [0, 1, 2, 3]
+    assert plan.solver.status == "optimal" and plan.solver.gap == 0
+    assert plan.candidates and plan.candidates[0].status == "chosen"
+    assert plan.predicted["step_ms"] > 0
+    assert plan.model["file"] == "tower.py" and len(plan.model["fingerprint"]) == 16
+    # The head shares the embedding's weight: the stage without the owner pays for a copy.
+    assert plan.stages[1].memory["tied_copies"] > 0
+    assert plan.profiles and plan.profiles[0].tied
+
+
+def test_save_and_load_round_trip(plan: Plan, tmp_path: Path) -> None:
+    path = save_plan(plan, tmp_path / "plan.yaml")
+    again = load_plan(path)
+    assert again.to_dict() == plan.to_dict()
+    # Saving the loaded plan gives the same bytes.
+    path2 = save_plan(again, tmp_path / "plan2.yaml")
+    assert path.read_bytes() == path2.read_bytes()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def _edited(plan: Plan, tmp_path: Path, edit) -> Path:
+    data = plan.to_dict()
+    edit(data)
+    path = tmp_path / "edited.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda d: d.update(version=99),
+            "version 99 is not supported (this planner reads version 1)",
+        ),
+        (lambda d: d["layout"].update(pp="two"), "layout.pp: expected an integer, got str"),
+        (lambda d: d["stages"][1].pop("ranks"), "stages[1].ranks: missing"),
+        (
+            lambda d: d["stages"][0].update(ranks=[0, "x"]),
+            "stages[0].ranks[1]: expected an integer",
+        ),
+        (lambda d: d["training"].update(global_batch=15), "global_batch 15 ≠ dp × micro_batches"),
+        (lambda d: d["stages"][1].update(blocks=[5, 9]), "must start at"),
+        (lambda d: d["stages"][1].update(ranks=d["stages"][0]["ranks"]), "ranks reuses rank(s)"),
+        (lambda d: d.update(colour="blue"), "unknown key(s) colour"),
+        (lambda d: d["stages"][0].update(recompute=1), "recompute: expected true/false"),
+    ],
+)
+def test_malformed_plans_name_the_key_path(plan, tmp_path, edit, message) -> None:
+    with pytest.raises(PlanError) as err:
+        load_plan(_edited(plan, tmp_path, edit))
+    assert message in str(err.value)
+
+
+def test_unsafe_yaml_tags_are_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "evil.yaml"
+    path.write_text("version: !!python/object/apply:os.system ['echo hacked']\n")
+    with pytest.raises(PlanError, match="no Python tags"):
+        load_plan(path)
+
+
+def test_missing_or_non_mapping_files(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="not found"):
+        load_plan(tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(PlanError, match="plan: expected a mapping"):
+        Plan.from_dict(yaml.safe_load((tmp_path / "list.yaml").read_text()))
+
+
+def test_same_inputs_give_the_same_placement() -> None:
+    a, b = _plan(pp=2), _plan(pp=2)
+    assert [s.blocks for s in a.stages] == [s.blocks for s in b.stages]
+    assert a.micro_batches == b.micro_batches and a.schedule == b.schedule

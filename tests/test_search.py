@@ -1,0 +1,136 @@
+"""Search: pins, pruning, candidates and the errors a user sees."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from planner.cluster import from_gpus
+from planner.cost import Training
+from planner.records import BlockCost, ModelProfile
+from planner.search import SearchOptions, layouts, search
+
+GIB = 2**30
+
+
+def _profile_for(n_blocks: int = 12, param_bytes: int = 64 * 2**20, heavy_ends: bool = True):
+    def profile_for(device: str, b: int) -> ModelProfile:
+        blocks = []
+        for k in range(n_blocks):
+            scale = 4.0 if heavy_ends and k in (0, n_blocks - 1) else 1.0
+            blocks.append(
+                BlockCost(
+                    index=k,
+                    name=f"layer{k}",
+                    modules=(f"layer{k}",),
+                    fwd_ms=0.5 * scale * b,
+                    bwd_ms=1.0 * scale * b,
+                    param_bytes=param_bytes,
+                    activation_bytes=16 * 2**20 * b,
+                    output_bytes=2**20 * b,
+                    boundary_bytes=0 if k == 0 else 2**20 * b,
+                )
+            )
+        return ModelProfile(
+            fingerprint="x",
+            source="analytic",
+            device=device,
+            batch_size=b,
+            dtype="float32",
+            threads=0,
+            capture="export",
+            blocks=tuple(blocks),
+        )
+
+    return profile_for
+
+
+def _search(devices=8, batch=32, n_blocks=12, device="h100", **opts):
+    cluster = from_gpus(devices, device)
+    return search(
+        _profile_for(n_blocks),
+        cluster,
+        Training(global_batch=batch),
+        SearchOptions(**opts),
+        n_blocks=n_blocks,
+    )
+
+
+def test_search_finds_a_plan_and_explains_the_candidates() -> None:
+    res = _search()
+    lay = res.layout
+    assert lay.pp * lay.dp == 8
+    assert res.solution.status == "optimal"
+    statuses = {c.status for c in res.candidates}
+    assert "chosen" in statuses and ({"slower", "pruned"} & statuses)
+    chosen = [c for c in res.candidates if c.status == "chosen"]
+    assert len(chosen) == 1 and chosen[0].step_ms == pytest.approx(res.prediction.step_ms)
+    for c in res.candidates:
+        if c.status == "slower":
+            assert c.step_ms is not None and c.step_ms >= res.prediction.step_ms
+            assert "%" in c.reason
+        if c.status == "pruned":
+            assert "lower bound" in c.reason
+
+
+def test_pins_are_respected() -> None:
+    res = _search(pp=4, micro_batches=8, schedule="1f1b")
+    assert (res.layout.pp, res.layout.dp, res.layout.micro_batches, res.layout.schedule) == (
+        4,
+        2,
+        8,
+        "1f1b",
+    )
+    assert all(c.pp == 4 and c.micro_batches == 8 for c in res.candidates)
+
+
+def test_batch_not_divisible_prints_the_arithmetic() -> None:
+    with pytest.raises(ValueError) as err:
+        _search(batch=30, dp=8)
+    assert "batch 30 not divisible by dp 8" in str(err.value)
+    assert "Fix:" in str(err.value)
+    with pytest.raises(ValueError, match=r"replica batch 15 .* not divisible by 4 micro-batches"):
+        _search(batch=30, pp=4, dp=2, micro_batches=4)
+
+
+def test_more_stages_than_blocks_quotes_both_numbers() -> None:
+    with pytest.raises(ValueError, match="pp 8 > 4"):
+        _search(n_blocks=4, pp=8)
+
+
+def test_out_of_memory_everywhere_names_stages_and_fix() -> None:
+    small = from_gpus(2, "l4")  # 22.5 GiB each
+    big = _profile_for(n_blocks=4, param_bytes=8 * GIB)  # 2 Gi params a block: 32 GiB of state
+    with pytest.raises(ValueError) as err:
+        search(big, small, Training(global_batch=8), SearchOptions(), n_blocks=4)
+    msg = str(err.value)
+    assert "no configuration fits" in msg and "GiB" in msg and "Fix:" in msg
+
+
+def test_memory_pressure_turns_on_recompute_or_more_stages() -> None:
+    profile_for = _profile_for(n_blocks=8, param_bytes=512 * 2**20)
+
+    def heavy(device, b):  # activations dominate
+        prof = profile_for(device, b)
+        return replace(
+            prof,
+            blocks=tuple(replace(x, activation_bytes=x.activation_bytes * 64) for x in prof.blocks),
+        )
+
+    res = search(heavy, from_gpus(4, "l4"), Training(global_batch=64), SearchOptions(), n_blocks=8)
+    assert res.prediction.fits
+    for st in res.prediction.stages:
+        assert st.memory.total <= st.capacity
+
+
+def test_layouts_for_mixed_devices_try_both_orders() -> None:
+    from planner.cluster import parse_cluster
+
+    mixed = parse_cluster(
+        {"nodes": [{"type": "a100-80gb", "count": 2}, {"type": "v100-32gb", "count": 2}]}
+    )
+    names = [name for name, _ in layouts(mixed, 2, 2)]
+    assert "replicas-inside" in names and "reversed replicas-inside" in names
+    homo = from_gpus(4, "h100")
+    assert len(layouts(homo, 2, 2)) == 1
