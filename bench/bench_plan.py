@@ -5,12 +5,14 @@
 2. Search alone: a 128-block chain on 64 H100 (8 nodes), every pp, dp, m and
    schedule.
 3. Plan quality against the partitioners users have today, on every example at
-   8 devices (8 local CPU devices, measured; 8 × A100-80GB, analytic): the
-   predicted step time of uniform blocks per stage (torchtitan/PiPPy),
-   parameter-balanced (DeepSpeed) and time-balanced (torchgpipe) placements at
-   our pp/dp/m/schedule, divided by ours (≥ 1 means ours is faster). All are
-   priced by the same cost model; a baseline placement that does not fit in
-   memory is reported as such.
+   8 devices (8 local CPU devices, measured; 8 × A100-80GB, analytic), with the
+   pipeline depth pinned to 2, 4 and 8 (at 8 devices the unpinned search picks
+   pure data parallelism for these small models, where every partitioner is
+   the same): the predicted step time of uniform blocks per stage
+   (torchtitan/PiPPy), parameter-balanced (DeepSpeed) and time-balanced
+   (torchgpipe) placements at our pp/dp/m/schedule, divided by ours (≥ 1 means
+   ours is faster). All are priced by the same cost model; a baseline placement
+   that does not fit in memory is reported as such.
 
 Writes bench/results/plan.json.
 """
@@ -114,20 +116,21 @@ def search_scaling(n_blocks: int = 128, devices: int = 64) -> dict[str, object]:
     }
 
 
-def baselines(example: str, cluster_kind: str, repeats: int) -> dict[str, object]:
+def baselines(example: str, cluster_kind: str, pp: int, repeats: int) -> dict[str, object]:
+    """Our placement vs the baselines' at the same pp (pinned), dp = 8 / pp, m and schedule."""
     from planner import baselines as bl
     from planner.api import PlanOptions, plan_model
     from planner.cluster import from_gpus
     from planner.cost import CostModel, Layout, Training
     from planner.modelfile import load_model_file
     from planner.profile import ProfileOptions
+    from planner.scaling import at_batch_size
     from planner.search import SearchOptions
 
     mf = load_model_file(ROOT / "examples" / f"{example}.py")
     model = mf.build()
     cluster = from_gpus(8) if cluster_kind == "cpu" else from_gpus(8, cluster_kind)
-    batch = max(mf.batch_size, 8)
-    batch = batch // 8 * 8
+    batch = max(mf.batch_size, 8) // 8 * 8
 
     def sampler(b: int):  # type: ignore[no-untyped-def]
         s = mf.sample(b)
@@ -135,7 +138,7 @@ def baselines(example: str, cluster_kind: str, repeats: int) -> dict[str, object
 
     options = PlanOptions(
         training=Training(global_batch=batch),
-        search=SearchOptions(),
+        search=SearchOptions(pp=pp),
         profile=ProfileOptions(repeats=repeats, warmup=1),
     )
     plan = plan_model(model, sampler, cluster=cluster, loss_fn=mf.loss, options=options)
@@ -147,27 +150,22 @@ def baselines(example: str, cluster_kind: str, repeats: int) -> dict[str, object
         schedule=plan.schedule,
         ranks=tuple(s.ranks for s in plan.stages),
     )
-    from planner.scaling import at_batch_size
-
-    by_type: dict[str, list] = {}
-    for p in plan.profiles:
-        by_type.setdefault(p.device, []).append(p)
-    profiles = {k: at_batch_size(v, plan.micro_batch_size) for k, v in by_type.items()}
-    # The cost model keys profiles by the cluster's device type.
     key = cluster.devices[0].device.key
-    cm = CostModel({key: next(iter(profiles.values()))}, cluster, options.training, lay)
-    prof = cm.profile
-    n, S = len(prof.blocks), plan.pp
+    prof = at_batch_size([p for p in plan.profiles if p.device == key], plan.micro_batch_size)
+    cm = CostModel({key: prof}, cluster, options.training, lay)
+    n, stages = len(prof.blocks), plan.pp
     placements = {
-        "uniform": bl.uniform(n, S),
-        "parameter_balanced": bl.parameter_balanced([b.param_bytes for b in prof.blocks], S),
-        "time_balanced": bl.time_balanced([b.fwd_ms + b.bwd_ms for b in prof.blocks], S),
+        "uniform": bl.uniform(n, stages),
+        "parameter_balanced": bl.parameter_balanced([b.param_bytes for b in prof.blocks], stages),
+        "time_balanced": bl.time_balanced([b.fwd_ms + b.bwd_ms for b in prof.blocks], stages),
     }
     row: dict[str, object] = {
         "example": example,
         "cluster": cluster.describe(),
+        "pp": plan.pp,
         "ours": f"pp {plan.pp} × dp {plan.dp}, m {plan.micro_batches}, {plan.schedule}",
         "ours_ms": ours,
+        "solver": plan.solver.status,
     }
     for name, starts in placements.items():
         pred = cm.predict(starts)
@@ -175,6 +173,9 @@ def baselines(example: str, cluster_kind: str, repeats: int) -> dict[str, object
         row[f"{name}_ratio"] = pred.step_ms / ours
         row[f"{name}_fits"] = pred.fits
     return row
+
+
+BASELINES = ("uniform", "parameter_balanced", "time_balanced")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,26 +190,23 @@ def main(argv: list[str] | None = None) -> int:
     out["search"] = search_scaling()
     print(f"search: {out['search']}")
     rows = []
-    for kind in ("cpu", "a100-80gb"):
-        for ex in EXAMPLES:
-            row = baselines(ex, kind, repeats=1 if ns.quick else 3)
-            rows.append(row)
-            print(
-                f"{ex:7s} {kind:10s} ours {row['ours_ms']:9.2f} ms ({row['ours']}); "
-                + ", ".join(
-                    f"{b} ×{row[f'{b}_ratio']:.3f}{'' if row[f'{b}_fits'] else ' (OOM)'}"
-                    for b in ("uniform", "parameter_balanced", "time_balanced")
-                )
-            )
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["PLANNER_CACHE_DIR"] = cache
+        for kind in ("cpu", "a100-80gb"):
+            for ex in EXAMPLES:
+                for pp in (2, 4, 8):
+                    row = baselines(ex, kind, pp, repeats=1 if ns.quick else 3)
+                    rows.append(row)
+                    print(
+                        f"{ex:7s} {kind:10s} ours {row['ours_ms']:9.2f} ms ({row['ours']}); "
+                        + ", ".join(
+                            f"{b} ×{row[f'{b}_ratio']:.3f}{'' if row[f'{b}_fits'] else ' (OOM)'}"
+                            for b in BASELINES
+                        )
+                    )
     out["baselines"] = rows
-    worst = min(
-        min(r[f"{b}_ratio"] for b in ("uniform", "parameter_balanced", "time_balanced"))
-        for r in rows
-    )
-    geo = {
-        b: math.exp(sum(math.log(r[f"{b}_ratio"]) for r in rows) / len(rows))
-        for b in ("uniform", "parameter_balanced", "time_balanced")
-    }
+    worst = min(min(r[f"{b}_ratio"] for b in BASELINES) for r in rows)
+    geo = {b: math.exp(sum(math.log(r[f"{b}_ratio"]) for r in rows) / len(rows)) for b in BASELINES}
     out["baseline_geomean_ratio"] = geo
     out["worst_baseline_ratio"] = worst
     print(f"geometric mean baseline/ours: {geo}; worst ratio {worst:.4f} (≥ 1: never worse)")

@@ -314,6 +314,7 @@ def _assemble(
             solve_s=sol.solve_s,
             time_limit_s=options.search.time_limit_s,
             n_segments=sol.n_segments,
+            note=result.refined,
         ),
         candidates=tuple(result.candidates),
         profiles=tuple(profiles.all_anchors()),

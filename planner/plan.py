@@ -110,6 +110,7 @@ class SolverRecord:
     solve_s: float
     time_limit_s: float | None
     n_segments: int
+    note: str = ""  # e.g. how the ILP's placement was refined by simulation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,6 +194,7 @@ class Plan:
                 "solve_s": _num(self.solver.solve_s),
                 "time_limit_s": self.solver.time_limit_s,
                 "n_segments": self.solver.n_segments,
+                "note": self.solver.note,
             },
             "candidates": [
                 {
@@ -260,6 +262,7 @@ class Plan:
                 solve_s=sv["solve_s"],
                 time_limit_s=sv["time_limit_s"],
                 n_segments=sv["n_segments"],
+                note=sv.get("note") or "",
             ),
             candidates=tuple(Candidate(**c) for c in data.get("candidates") or ()),
             profiles=tuple(
@@ -401,6 +404,7 @@ _SCHEMA: dict[str, Spec] = {
         "solve_s": _NUM,
         "time_limit_s": _opt(_NUM),
         "n_segments": int,
+        "note": _opt(str),
     },
     "candidates": _opt(
         [

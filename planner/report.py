@@ -152,7 +152,8 @@ def _solver(plan: Plan) -> str:
         text = sv.status
     if sv.bound_ms is not None and sv.status != "optimal":
         text += f", lower bound {_ms(sv.bound_ms)} ms"
-    return f"{sv.name}: {text}" + (f" ({sv.n_segments} segments)" if sv.n_segments else "")
+    text = f"{sv.name}: {text}" + (f" ({sv.n_segments} segments)" if sv.n_segments else "")
+    return text + (f"; {sv.note}" if sv.note else "")
 
 
 def _summary(plan: Plan, tl: Timeline) -> list[tuple[str, str]]:
