@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_profile)
     _add_plan_parser(sub)
     _add_show_parser(sub)
+    from runtime.launch import add_run_parser
+
+    add_run_parser(sub)
     return parser
 
 

@@ -7,8 +7,9 @@ predicted time and memory of every stage, the solver's record, the candidates
 that lost and why, and the per-block profiles it was solved on.
 
 Files are read with ``yaml.safe_load`` only (no Python tags) and validated
-against the schema below; errors name the key path and the expected type.
-The runtime imports this module (and ``records``) only.
+against the schema in :mod:`planner.plan_schema`; errors name the key path and
+the expected type. The runtime imports this module (with ``plan_schema``) and
+``records`` only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,9 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
         """Validate ``data`` against the schema and build the plan."""
+        # plan_schema imports this module (PlanError, the versions): reach it at call time.
+        from planner.plan_schema import _SCHEMA, _check, _check_consistent, _check_version
+
         if isinstance(data, Mapping):
             _check_version(data, source)
         _check(data, _SCHEMA, source)
@@ -355,192 +359,6 @@ def _profile(data: Any, where: str) -> ModelProfile:
         return ModelProfile.from_dict(dict(data))
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"{where}: not a valid profile ({exc})") from exc
-
-
-# --------------------------------------------------------------------------- schema
-
-Spec = Any  # a type, a tuple of types, a dict (mapping schema), or a list [item spec]
-
-
-def _opt(spec: Spec) -> tuple[str, Spec]:
-    return ("optional", spec)
-
-
-_NUM = (int, float)
-_STAGE = {
-    "index": int,
-    "split_point": str,
-    "blocks": [int],
-    "modules": [str],
-    "ranks": [int],
-    "device": str,
-    "recompute": bool,
-    "fwd_ms": _NUM,
-    "bwd_ms": _NUM,
-    "send_ms": _NUM,
-    "sync_ms": _NUM,
-    "memory": {"*": _NUM},
-}
-_SCHEMA: dict[str, Spec] = {
-    "version": int,
-    "model": {"fingerprint": str, "*": object},
-    "cluster": {"*": object},
-    "training": {
-        "global_batch": int,
-        "micro_batches": int,
-        "micro_batch_size": int,
-        "optimizer": str,
-        "precision": str,
-        "schedule": str,
-    },
-    "layout": {"pp": int, "dp": int},
-    "stages": [_STAGE],
-    "predicted": {"step_ms": _NUM, "*": _NUM},
-    "solver": {
-        "name": str,
-        "status": str,
-        "gap": _opt(_NUM),
-        "bound_ms": _opt(_NUM),
-        "solve_s": _NUM,
-        "time_limit_s": _opt(_NUM),
-        "n_segments": int,
-        "note": _opt(str),
-    },
-    "candidates": _opt(
-        [
-            {
-                "pp": int,
-                "dp": int,
-                "micro_batches": int,
-                "schedule": str,
-                "step_ms": _opt(_NUM),
-                "status": str,
-                "reason": str,
-            }
-        ]
-    ),
-    "warnings": _opt([str]),
-    "parameter_shapes": _opt({"*": [int]}),
-    "profiles": _opt([{"*": object}]),
-}
-
-
-def _type_name(spec: Spec) -> str:
-    if isinstance(spec, tuple) and spec and spec[0] == "optional":
-        return f"{_type_name(spec[1])} or null"
-    if isinstance(spec, dict):
-        return "a mapping"
-    if isinstance(spec, list):
-        return f"a list of {_type_name(spec[0])}"
-    if spec is _NUM:
-        return "a number"
-    if isinstance(spec, type):
-        return {int: "an integer", str: "a string", bool: "true/false", object: "any value"}.get(
-            spec, spec.__name__
-        )
-    return str(spec)
-
-
-def _check(value: Any, spec: Spec, path: str) -> None:
-    if isinstance(spec, tuple) and spec and spec[0] == "optional":
-        if value is None:
-            return
-        spec = spec[1]
-    if isinstance(spec, dict):
-        if not isinstance(value, Mapping):
-            raise PlanError(f"{path}: expected {_type_name(spec)}, got {_show(value)}")
-        for key, sub in spec.items():
-            if key == "*":
-                continue
-            optional = isinstance(sub, tuple) and sub and sub[0] == "optional"
-            if key not in value:
-                if optional:
-                    continue
-                raise PlanError(f"{path}.{key}: missing (expected {_type_name(sub)})")
-            _check(value[key], sub, f"{path}.{key}")
-        if "*" in spec:
-            for key, item in value.items():
-                if key not in spec:
-                    _check(item, spec["*"], f"{path}.{key}")
-        else:
-            unknown = sorted(str(k) for k in value if k not in spec)
-            if unknown:
-                raise PlanError(
-                    f"{path}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(spec)}"
-                )
-        return
-    if isinstance(spec, list):
-        if not isinstance(value, list):
-            raise PlanError(f"{path}: expected {_type_name(spec)}, got {_show(value)}")
-        for k, item in enumerate(value):
-            _check(item, spec[0], f"{path}[{k}]")
-        return
-    ok = isinstance(value, spec) if spec is not object else True
-    # bool is an int in Python; a plan's integers and numbers must not be booleans.
-    if ok and isinstance(value, bool) and spec is not bool:
-        ok = False
-    if not ok:
-        raise PlanError(f"{path}: expected {_type_name(spec)}, got {_show(value)}")
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:40]}"
-
-
-def _check_version(data: Mapping[str, Any], path: str) -> None:
-    version = data.get("version")
-    if version not in SUPPORTED_VERSIONS:
-        supported = ", ".join(map(str, SUPPORTED_VERSIONS))
-        raise PlanError(
-            f"{path}.version: plan format version {version!r} is not supported "
-            f"(this planner reads version {supported}); regenerate the plan with "
-            "`planner plan` or upgrade the planner"
-        )
-
-
-def _check_consistent(plan: Plan, path: str) -> None:
-    """Cross-field rules the schema alone cannot state."""
-    err: Callable[[str], PlanError] = lambda msg: PlanError(f"{path}: {msg}")  # noqa: E731
-    if plan.pp < 1 or plan.dp < 1:
-        raise err(f"layout.pp and layout.dp must be ≥ 1 (got {plan.pp}, {plan.dp})")
-    if len(plan.stages) != plan.pp:
-        raise err(f"layout.pp is {plan.pp} but stages lists {len(plan.stages)} stages")
-    if plan.global_batch != plan.dp * plan.micro_batches * plan.micro_batch_size:
-        raise err(
-            f"training.global_batch {plan.global_batch} ≠ dp × micro_batches × "
-            f"micro_batch_size = {plan.dp} × {plan.micro_batches} × {plan.micro_batch_size}"
-        )
-    seen: set[int] = set()
-    prev_end = 0
-    for k, st in enumerate(plan.stages):
-        where = f"stages[{k}]"
-        if st.index != k:
-            raise err(f"{where}.index is {st.index}, expected {k}")
-        if len(st.ranks) != plan.dp:
-            raise err(f"{where}.ranks has {len(st.ranks)} ranks, expected dp = {plan.dp}")
-        if st.blocks[0] != prev_end or st.blocks[1] <= st.blocks[0]:
-            raise err(
-                f"{where}.blocks {list(st.blocks)} must start at {prev_end} (where the previous "
-                "stage ends) and hold at least one block"
-            )
-        prev_end = st.blocks[1]
-        if k > 0 and not st.split_point:
-            raise err(f"{where}.split_point is empty; every stage after the first needs one")
-        dup = seen & set(st.ranks)
-        if dup:
-            raise err(f"{where}.ranks reuses rank(s) {sorted(dup)} already used by another stage")
-        seen |= set(st.ranks)
-    if seen != set(range(plan.world_size)):
-        raise err(
-            f"the stages' ranks must be exactly 0..{plan.world_size - 1} "
-            f"(pp × dp = {plan.pp} × {plan.dp}); got {sorted(seen)}"
-        )
-    if plan.profiles and prev_end != len(plan.profiles[0].blocks):
-        raise err(
-            f"the stages cover blocks 0..{prev_end - 1} but the profile has "
-            f"{len(plan.profiles[0].blocks)} blocks"
-        )
 
 
 def plan_summary(plan: Plan) -> str:

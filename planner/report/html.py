@@ -1,0 +1,210 @@
+"""The plan report as one self-contained HTML page: tables, timeline and memory charts."""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+from pathlib import Path
+
+from planner.plan import Plan
+from planner.report._content import (
+    _CAND_COLS,
+    _MEM_COL,
+    _STAGE_COLS,
+    _candidate_rows,
+    _over_capacity,
+    _Row,
+    _stage_note,
+    _stage_rows,
+    _summary,
+    _write_atomic,
+    timeline,
+)
+from planner.report._format import (
+    _OTHER,
+    _STATE,
+    _bytes,
+    _event_name,
+    _level,
+    _memory,
+    _ms,
+    _pct,
+    _share,
+)
+from planner.simulate import Event, Timeline
+
+# Colour and legend of each kind of event (timeline) and part of memory (bars).
+_KEY = {
+    "F": ("#4c78a8", "forward"),
+    "B": ("#f58518", "backward"),
+    "send_F": ("#9ecae9", "send activations"),
+    "send_B": ("#ffbf79", "send gradients"),
+    "sync": ("#54a24b", "gradient all-reduce"),
+    "params": ("#4c78a8", "params"),
+    "grads": ("#72b7b2", "grads"),
+    "optimizer": ("#b279a2", "optimizer"),
+    "activations": ("#f58518", "activations"),
+    "other": ("#bab0ac", "other"),
+}
+_CSS = """
+body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222}
+h1{font-size:20px}h2{font-size:16px;margin-top:28px}
+table{border-collapse:collapse;margin:6px 0}
+th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f4f4f4}td.n{text-align:right;font-variant-numeric:tabular-nums}
+table.summary td{border:none;padding:1px 16px 1px 0}
+tr.chosen td{background:#e6f4ea;font-weight:bold}
+tr.over td.mem{background:#fdd;color:#a00;font-weight:bold}tr.near td.mem{background:#ffc}
+.key{display:inline-block;width:12px;height:12px;margin:0 4px 0 12px;vertical-align:middle}
+.note{color:#666;font-size:12px}.warn{color:#8a5a00}svg text{font:11px system-ui,sans-serif}
+"""
+_e = html.escape
+
+
+def _rect(x: float, y: float, w: float, h: float, fill: str, tip: str) -> str:
+    """A box with a hover tooltip; tall boxes get a white edge to part neighbours."""
+    edge = ' stroke="#fff" stroke-width="0.75"' if h >= 20 else ""
+    return (
+        f'<rect x="{x:.2f}" y="{y:.2f}" width="{max(w, 0.5):.2f}" height="{h}" fill="{fill}"'
+        f"{edge}><title>{_e(tip)}</title></rect>"
+    )
+
+
+def _ticks(span: float, n: int = 8) -> list[float]:
+    """Round tick values (1, 2, 5 × 10^k apart) from 0 to span."""
+    raw = span / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(k * mag for k in (1, 2, 5, 10) if k * mag >= raw)
+    return [k * step for k in range(int(span / step + 1e-9) + 1)]
+
+
+def _lane_y(e: Event, top: float, row: float) -> tuple[float, float]:
+    """Where an event is drawn: compute in its stage's row, sends on the link's thin lanes."""
+    if e.kind == "send_F":
+        return top + row * e.stage + 24, 3
+    if e.kind == "send_B":
+        return top + row * (e.stage - 1) + 28, 3
+    return top + row * e.stage + 2, 20
+
+
+def _timeline_svg(tl: Timeline) -> str:
+    left, width, row, top = 70, 900, 34, 6
+    span = tl.step_ms if tl.step_ms > 0 else 1.0
+    height = top + row * tl.n_stages + 22
+    out = [f'<svg width="{left + width + 30}" height="{height}" role="img">']
+    for t in _ticks(span):
+        x = left + t / span * width
+        out.append(f'<line x1="{x:.2f}" y1="{top}" x2="{x:.2f}" y2="{height - 16}" stroke="#ddd"/>')
+        out.append(f'<text x="{x:.2f}" y="{height - 4}" text-anchor="middle">{t:g} ms</text>')
+    for s in range(tl.n_stages):
+        out.append(f'<text x="4" y="{top + row * s + 16}">stage {s}</text>')
+    for e in tl.events:
+        x, w = left + e.start / span * width, (e.end - e.start) / span * width
+        y, h = _lane_y(e, top, row)
+        name = _event_name(e)
+        tip = f"stage {e.stage} {name}: {_ms(e.start)}–{_ms(e.end)} ms ({_ms(e.end - e.start)} ms)"
+        out.append(_rect(x, y, w, h, _KEY.get(e.kind, ("#888", ""))[0], tip))
+        if e.kind in ("F", "B") and e.micro_batch >= 0 and w >= 4 + 7 * len(str(e.micro_batch)):
+            out.append(
+                f'<text x="{x + w / 2:.2f}" y="{y + 14}" text-anchor="middle" fill="#fff">'
+                f"{e.micro_batch}</text>"
+            )
+    return "\n".join([*out, "</svg>"])
+
+
+def _memory_svg(plan: Plan) -> str:
+    left, width, row = 70, 700, 28
+    parts: list[tuple[str, tuple[str, ...]]] = [(k, (k,)) for k in (*_STATE, "activations")]
+    parts.append(("other", _OTHER))
+    mem = [_memory(st) for st in plan.stages]
+    caps = [m[4] for m in mem if math.isfinite(m[4])]
+    scale = 1.05 * max([m[3] for m in mem] + caps + [1.0])
+    out = [f'<svg width="{left + width + 220}" height="{row * len(mem) + 8}" role="img">']
+    for st, (*_, total, cap) in zip(plan.stages, mem, strict=True):
+        y, x = 4 + row * st.index, float(left)
+        out.append(f'<text x="4" y="{y + 14}">stage {st.index}</text>')
+        for label, keys in parts:
+            v = sum(st.memory.get(k, 0.0) for k in keys)
+            w = v / scale * width
+            if v > 0:
+                out.append(
+                    _rect(x, y, w, 20, _KEY[label][0], f"stage {st.index} {label}: {_bytes(v)}")
+                )
+            x += w
+        if math.isfinite(cap):
+            cx = left + cap / scale * width
+            out.append(
+                f'<line x1="{cx:.2f}" y1="{y - 3}" x2="{cx:.2f}" y2="{y + 23}" stroke="#000" '
+                f'stroke-width="2"><title>capacity {_e(_bytes(cap))}</title></line>'
+            )
+        share = _share(total, cap)
+        colour = {"over": "#a00", "near": "#8a5a00"}.get(_level(share), "#222")
+        label = _bytes(total) + (f" of {_bytes(cap)} ({_pct(share)})" if cap < math.inf else "")
+        out.append(f'<text x="{left + width + 8}" y="{y + 14}" fill="{colour}">{_e(label)}</text>')
+    return "\n".join([*out, "</svg>"])
+
+
+def _legend(*keys: str) -> str:
+    spans = (
+        f'<span class="key" style="background:{_KEY[k][0]}"></span>{_e(_KEY[k][1])}' for k in keys
+    )
+    return f'<p class="note">{"".join(spans)}</p>'
+
+
+def _html_table(cols: list[str], rows: list[_Row], mem: int | None = None) -> str:
+    head = "".join(f"<th>{_e(c.rstrip('>'))}</th>" for c in cols)
+    classes = ["n" if c.endswith(">") else "" for c in cols]
+    if mem is not None:
+        classes[mem] += " mem"  # coloured by the row's level
+    body = []
+    for cells, level in rows:
+        tds = "".join(f'<td class="{c}">{_e(v)}</td>' for v, c in zip(cells, classes, strict=True))
+        body.append(f'<tr class="{level}">{tds}</tr>')
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _html(plan: Plan) -> str:
+    tl, (rows, unit) = timeline(plan), _stage_rows(plan)
+    title = f"Pipeline plan: {plan.model.get('file') or 'model'}"
+    summary = "".join(
+        f"<tr><td><b>{_e(k)}</b></td><td>{_e(v)}</td></tr>" for k, v in _summary(plan, tl)
+    )
+    sections = [
+        f"<h1>{_e(title)}</h1>",
+        f'<table class="summary">{summary}</table>',
+        "<h2>Pipeline timeline (one step, simulated)</h2>",
+        _legend("F", "B", "send_F", "send_B", "sync"),
+        _timeline_svg(tl),
+        "<h2>Memory per device</h2>",
+        _legend(*_STATE, "activations", "other"),
+        _memory_svg(plan),
+        '<p class="note">black line: the device\'s usable memory</p>',
+        "<h2>Stages</h2>",
+        _html_table(_STAGE_COLS, rows, _MEM_COL),
+        f'<p class="note">{_e(_stage_note(unit))}</p>',
+    ]
+    sections += [f'<p class="warn">{_e("over capacity: " + w)}</p>' for w in _over_capacity(plan)]
+    if plan.candidates:
+        sections += ["<h2>Candidates</h2>", _html_table(_CAND_COLS, _candidate_rows(plan))]
+    if plan.warnings:
+        items = "".join(f"<li>warning: {_e(w)}</li>" for w in plan.warnings)
+        sections += ["<h2>Warnings</h2>", f'<ul class="warn">{items}</ul>']
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head>\n<body>\n"
+        + "\n".join(sections)
+        + "\n</body></html>\n"
+    )
+
+
+def write_html(plan: Plan, path: str | os.PathLike[str]) -> Path:
+    """Write the report as one self-contained HTML file (inline CSS and SVG).
+
+    Example::
+
+        write_html(plan, "plan.html")   # open it in any browser, offline
+
+    Hovering a box of the timeline or memory chart shows its figures.
+    """
+    return _write_atomic(path, _html(plan))

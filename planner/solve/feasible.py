@@ -1,0 +1,166 @@
+"""Whether any placement fits (and why not), and a fast good placement: the heuristic."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from planner.solve.costs import _Costs
+from planner.solve.problem import PartitionInfeasible, PartitionProblem, _fmt_bytes
+
+
+def _reach(c: _Costs, wcap: float) -> tuple[list[list[int]], int | None]:
+    """Start indices each stage can reach with every segment's y ≤ wcap and in memory.
+
+    Returns (reach per stage, the last stage's chosen start or None if the last
+    stage cannot finish). The ends of stage s form a union of runs (a, bmax(a)]
+    with bmax non-decreasing in a (monotone costs), so one sweep per stage does.
+    """
+    R: list[list[int]] = [[0]]
+    for s in range(c.S - 1):
+        nxt: list[int] = []
+        b = covered = 0
+        for a in R[s]:
+            b = max(b, a)
+            while b < c.hi(s + 1) and c.fits(s, a, b + 1, wcap):
+                b += 1
+            nxt.extend(e for e in range(max(a, covered) + 1, b + 1) if c.cut(s, e) <= wcap)
+            covered = max(covered, b)
+        R.append(nxt)
+        if not nxt:
+            return R, None
+    last = R[-1][-1]  # the latest start is the cheapest for the last stage
+    return R, (last if c.fits(c.S - 1, last, c.K, wcap) else None)
+
+
+def _check_feasible(c: _Costs) -> None:
+    """Raise PartitionInfeasible naming the constraint family that cannot be met."""
+    p, S, K = c.p, c.S, c.K
+    if S > K:
+        if p.allowed_starts is None:
+            raise PartitionInfeasible(
+                f"{S} stages need {S - 1} split points but {p.n_blocks} blocks have only "
+                f"{p.n_blocks - 1}: use at most {p.n_blocks} stages, or finer blocks"
+            )
+        raise PartitionInfeasible(
+            f"stage {K} has no legal start: {S} stages need {S - 1} split points, "
+            f"{K - 1} allowed; use at most {K} stages, or allow more split points"
+        )
+    for a in range(K):  # each run between legal split points must fit some stage
+        stages = range(max(0, a - (K - S)), min(a, S - 1) + 1)
+        if any(c.mem(s, a, a + 1) <= c.cap[s] for s in stages):
+            continue
+        need, s = min((c.mem(s, a, a + 1), s) for s in stages)
+        what = p.block_label(c.pos[a], c.pos[a + 1])
+        if c.pos[a + 1] - c.pos[a] > 1:
+            what += " (no legal split point between them)"
+        raise PartitionInfeasible(
+            f"no stage can hold {what} within {_fmt_bytes(max(c.cap[t] for t in stages))}: "
+            f"it needs {_fmt_bytes(need)} on stage {s} (capacity {_fmt_bytes(c.cap[s])}). "
+            "Recompute activations, use fewer samples per micro-batch, split the block, "
+            "or give the stage a device with more memory"
+        )
+    R, last = _reach(c, math.inf)
+    if last is not None:
+        return
+    s = len(R) - 1
+    if R[-1]:  # the last stage cannot take what the others leave
+        a = R[-1][-1]
+        need, cap = c.mem(S - 1, a, K), c.cap[S - 1]
+        raise PartitionInfeasible(
+            f"the blocks do not fit in the memory of {S} stages: filling stages 0..{S - 2} "
+            f"as far as memory allows leaves {p.block_label(c.pos[a], p.n_blocks)} for "
+            f"stage {S - 1}, needing {_fmt_bytes(need)} against {_fmt_bytes(cap)}. "
+            "Use more stages or larger devices, recompute activations, or fewer samples "
+            "per micro-batch"
+        )
+    need = min(c.mem(s - 1, a, a + 1) for a in R[s - 1])
+    raise PartitionInfeasible(
+        f"the blocks do not fit in the memory of {S} stages: stage {s - 1} "
+        f"({_fmt_bytes(c.cap[s - 1])}) cannot hold any run of blocks where stages "
+        f"0..{s - 2} can end (the smallest needs {_fmt_bytes(need)}). Use larger devices "
+        "for it, recompute activations, or fewer samples per micro-batch"
+    )
+
+
+# ---------------------------------------------------------------- heuristic
+
+
+def _min_sum_path(c: _Costs, wcap: float) -> list[int] | None:
+    """The placement of least Σ(w + c) with every y ≤ wcap (DP), or None."""
+    F: dict[int, float] = {0: 0.0}
+    back: list[dict[int, int]] = []
+    for s in range(c.S):
+        nF: dict[int, float] = {}
+        bk: dict[int, int] = {}
+        for a in sorted(F):
+            for b in c.ends(s, a, wcap):
+                cut = c.cut(s, b)
+                if cut > wcap:
+                    continue
+                v = F[a] + c.w(s, a, b) + cut
+                if v < nF.get(b, math.inf):
+                    nF[b], bk[b] = v, a
+        if not nF:
+            return None
+        F = nF
+        back.append(bk)
+    idx = [c.K]
+    for s in range(c.S - 1, -1, -1):
+        idx.append(back[s][idx[-1]])
+    return idx[::-1]
+
+
+def _heuristic(c: _Costs, deadline: float = math.inf) -> list[int] | None:
+    """Bisect the least feasible bottleneck, then take min-sum placements under it.
+
+    Returns position indices (K appended), or None if the deadline passed first.
+    """
+    hi = max(
+        max(c.w(s, 0, c.K) for s in range(c.S)),
+        *(c.cut(s, b) for s in range(c.S - 1) for b in range(s + 1, c.hi(s + 1) + 1)),
+        0.0,
+    )
+    lo = 0.0
+    for _ in range(60):
+        if time.perf_counter() > deadline:
+            return None
+        if hi - lo <= 1e-3 * hi:
+            break
+        mid = (lo + hi) / 2
+        if _reach(c, mid)[1] is not None:
+            hi = mid
+        else:
+            lo = mid
+    ladder = [hi, hi * 1.01, hi * 1.05] + ([math.inf] if c.m == 1 else [])
+    best: tuple[float, list[int]] | None = None
+    for cap in ladder:
+        if time.perf_counter() > deadline and best is not None:
+            break
+        idx = _min_sum_path(c, cap)
+        if idx is not None and (best is None or c.objective(idx) < best[0]):
+            best = (c.objective(idx), idx)
+    assert best is not None, "the bisection's cap is feasible"
+    return best[1]
+
+
+def heuristic_partition(problem: PartitionProblem) -> tuple[int, ...]:
+    """A fast, good placement: the least bottleneck, then the least total under it.
+
+    Bisects the smallest cap on every stage's work and cut that a placement can
+    meet (memory and split points respected), then runs a min-sum DP under a
+    few caps at and just above it, keeping the one of least step time. Not
+    optimal in general (the ILP is); it is the ILP's warm start.
+
+    Example::
+
+        heuristic_partition(problem)   # (0, 7, 15, 22)
+
+    Raises:
+        PartitionInfeasible: no placement fits (the message names why).
+    """
+    c = _Costs(problem)
+    _check_feasible(c)
+    idx = _heuristic(c)
+    assert idx is not None
+    return c.starts(idx)

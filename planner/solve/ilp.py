@@ -1,0 +1,224 @@
+"""The segment ILP in PuLP, and running it on HiGHS or CBC: limits, bounds and gaps."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pulp
+
+from planner.solve.costs import _Costs
+from planner.solve.problem import SolverUnavailable
+from planner.solve.prune import _Segments
+
+SOLVERS = ("auto", "highs", "cbc")
+_MIP_REL_GAP = 1e-7  # "optimal" means proven within this relative gap
+
+_Var = dict[tuple[int, int, int], pulp.LpVariable]
+
+
+def _build_ilp(c: _Costs, segs: _Segments, start: Sequence[int]) -> tuple[pulp.LpProblem, _Var]:
+    """The segment ILP of the :mod:`planner.solve` docstring, with `start` as initial values."""
+    prob = pulp.LpProblem("partition", pulp.LpMinimize)
+    # PuLP ≥ 3.3 owns variables through the problem (LpVariable() is deprecated there)
+    new = getattr(prob, "add_variable", pulp.LpVariable)
+    W = new("W", lowBound=segs.w_lb)
+    A = new("A", lowBound=segs.a_lb)
+    x: _Var = {}
+    inflow: dict[tuple[int, int], list[pulp.LpVariable]] = {}
+    objective = [(W, float(c.m - 1)), (A, 1.0)]
+    for s, layer in enumerate(segs.layers):
+        w_row, a_row = [(W, 1.0)], [(A, 1.0)]
+        for a, row in layer.items():
+            for b, w, cut, r in row:
+                v = x[s, a, b] = new(f"x_{s}_{a}_{b}", cat=pulp.LpBinary)
+                objective.append((v, w + cut))
+                w_row.append((v, -max(w, cut)))
+                a_row.append((v, -r))
+                inflow.setdefault((s + 1, b), []).append(v)
+        prob += pulp.LpAffineExpression(w_row) >= 0, f"W_{s}"
+        prob += pulp.LpAffineExpression(a_row) >= 0, f"A_{s}"
+    nodes = sorted(
+        {(s, a) for s, layer in enumerate(segs.layers) for a in layer}
+        | {node for node in inflow if node[0] < c.S}
+    )
+    for s, a in nodes:  # a node with only inflow (or outflow) gets 0 = its flow
+        flow = [(x[s, a, seg[0]], 1.0) for seg in segs.layers[s].get(a, [])]
+        flow += [(v, -1.0) for v in inflow.get((s, a), [])]
+        prob += pulp.LpAffineExpression(flow) == (1 if s == 0 else 0), f"flow_{s}_{a}"
+    prob.setObjective(pulp.LpAffineExpression(objective))
+    for v in x.values():
+        v.setInitialValue(0)
+    for s in range(c.S):
+        x[s, start[s], start[s + 1]].setInitialValue(1)
+    works, cuts, syncs = c.values(start)
+    W.setInitialValue(max([*works, *cuts]))
+    A.setInitialValue(max(syncs))
+    return prob, x
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    proven: bool  # the solver proved optimality (within _MIP_REL_GAP)
+    limited: bool  # its time limit stopped it
+    has_solution: bool
+    bound: float | None  # the solver's own dual bound
+    detail: str  # the solver's words
+
+
+class _HiGHS(pulp.HiGHS):
+    """PuLP's HiGHS through highspy, plus the initial solution PuLP 3.3 drops."""
+
+    def callSolver(self, lp: pulp.LpProblem) -> None:
+        import highspy
+
+        cols = sorted(lp.variables(), key=lambda v: v.index)
+        start = highspy.HighsSolution()
+        start.col_value = [v.varValue if v.varValue is not None else 0.0 for v in cols]
+        start.value_valid = True
+        lp.solverModel.setSolution(start)
+        if self.threads is not None:
+            # HiGHS keeps one thread pool per process and refuses a run asking for a
+            # different size; rebuild it (blocking) so each call gets its threads.
+            highspy.Highs.resetGlobalScheduler(True)
+        lp.solverModel.run()
+
+    def findSolutionValues(self, lp: pulp.LpProblem) -> tuple[int, int]:
+        try:
+            return super().findSolutionValues(lp)
+        except KeyError:  # a model status PuLP 3.3 does not map (solution/memory limit)
+            return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
+
+
+_BANNER_DONE = False
+
+
+def _silence_highs_banner() -> None:
+    """highspy prints its banner to fd 1 on the first ``Highs()`` of a process
+    (before any option can turn output off); swallow that one print."""
+    global _BANNER_DONE
+    if _BANNER_DONE:
+        return
+    _BANNER_DONE = True
+    import sys
+
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _run_highs(prob: pulp.LpProblem, time_limit: float | None, threads: int | None) -> _Outcome:
+    _silence_highs_banner()
+    import highspy
+
+    kw = {"random_seed": 0, "mip_abs_gap": 1e-9}
+    prob.solve(_HiGHS(msg=False, gapRel=_MIP_REL_GAP, timeLimit=time_limit, threads=threads, **kw))
+    h = prob.solverModel
+    status = h.getModelStatus()
+    info = h.getInfo()
+    has = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
+    bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else None
+    return _Outcome(
+        proven=status == highspy.HighsModelStatus.kOptimal and prob.status == pulp.LpStatusOptimal,
+        limited=status == highspy.HighsModelStatus.kTimeLimit,
+        has_solution=has and prob.status == pulp.LpStatusOptimal,
+        bound=bound,
+        detail=f"HiGHS: {h.modelStatusToString(status)} (its gap {info.mip_gap:.3g}, "
+        f"bound {info.mip_dual_bound:.8g}; PuLP: {pulp.LpStatus[prob.status]})",
+    )
+
+
+def _cbc(**kw: object) -> pulp.LpSolver:
+    with warnings.catch_warnings():
+        # PuLP 3.3 deprecates its bundled CBC for PuLP 4; it is the CBC most installs have.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for make in (pulp.PULP_CBC_CMD, pulp.COIN_CMD):
+            solver = make(**kw)
+            if solver.available():
+                return solver
+    raise SolverUnavailable(
+        "CBC is not available to PuLP: PuLP ≤ 3 bundles it; otherwise install it "
+        "(`pip install 'pulp[cbc]'`, or the coinor-cbc OS package), or use solver='highs' "
+        "(`pip install highspy`)"
+    )
+
+
+def _run_cbc(prob: pulp.LpProblem, time_limit: float | None, threads: int | None) -> _Outcome:
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = os.path.join(tmp, "cbc.log")
+        solver = _cbc(
+            msg=False,
+            timeLimit=time_limit,
+            gapRel=_MIP_REL_GAP,
+            threads=threads,
+            warmStart=True,
+            logPath=log_path,
+        )
+        prob.solve(solver)
+        with open(log_path) as f:
+            text = f.read()
+    # CBC ends its log with "Result - Optimal solution found" or "Result - Stopped on
+    # time limit", then "Objective value:", and when stopped "Lower bound:" / "Gap:".
+    result = re.search(r"^Result - (.*)$", text, re.M)
+    lower = re.search(r"^Lower bound:\s*(\S+)", text, re.M)
+    gap = re.search(r"^Gap:\s*(\S+)", text, re.M)
+    words = result.group(1).strip() if result else "no result line"
+    proven = (
+        words.startswith("Optimal solution found")
+        and prob.status == pulp.LpStatusOptimal
+        and prob.sol_status == pulp.LpSolutionOptimal
+    )
+    bound = None
+    if lower:
+        with contextlib.suppress(ValueError):
+            bound = float(lower.group(1))
+    return _Outcome(
+        proven=proven,
+        limited="Stopped on time" in words or "Stopped on time" in text,
+        has_solution=prob.status == pulp.LpStatusOptimal
+        and prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible),
+        bound=bound,
+        detail=f"CBC: {words} ("
+        + (f"its gap {gap.group(1)}, bound {lower.group(1)}; " if gap and lower else "")
+        + f"PuLP: {pulp.LpStatus[prob.status]})",
+    )
+
+
+def _pick_solver(name: str) -> str:
+    if name not in SOLVERS:
+        raise ValueError(f"solver must be one of {', '.join(map(repr, SOLVERS))} (got {name!r})")
+    highs = pulp.HiGHS(msg=False).available()
+    if name == "highs" and not highs:
+        raise SolverUnavailable(
+            "HiGHS is not available to PuLP: install it with `pip install highspy`, "
+            "or pass solver='cbc' (CBC ships with PuLP)"
+        )
+    if name == "cbc" or (name == "auto" and not highs):
+        _cbc(msg=False)  # raises SolverUnavailable with the install hint
+        return "cbc"
+    return "highs"
+
+
+def _chosen_path(c: _Costs, x: _Var) -> list[int] | None:
+    chosen = {(s, a): b for (s, a, b), v in x.items() if (v.varValue or 0.0) > 0.5}
+    idx = [0]
+    for s in range(c.S):
+        b = chosen.get((s, idx[-1]))
+        if b is None:
+            return None
+        idx.append(b)
+    return idx if idx[-1] == c.K else None

@@ -1,0 +1,166 @@
+"""``planner run`` end to end (runtime/launch.py, runtime/measure.py): 2 workers through torchrun.
+
+The MLP example (32 input features) planned for 2 local CPU devices (pp = 2,
+2 micro-batches) trains 4 steps with checkpoints every 2 steps and a
+measured trace; a second ``planner run`` resumes from the step-4 checkpoint
+and trains steps 5 and 6. The launcher runs as a subprocess, as a user runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from planner.api import PlanOptions, plan_model
+from planner.cluster import from_gpus
+from planner.cost import Training
+from planner.modelfile import load_model_file
+from planner.plan import save_plan
+from planner.profile import ProfileOptions
+from planner.search import SearchOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = ROOT / "examples" / "mlp.py"
+RUN_TIMEOUT_S = 120
+
+pytestmark = pytest.mark.multiprocess
+
+# `planner run`, whether or not planner/cli.py has it wired yet.
+_RUN = (
+    "import argparse, sys\n"
+    "from runtime.launch import add_run_parser\n"
+    "p = argparse.ArgumentParser(prog='planner')\n"
+    "add_run_parser(p.add_subparsers())\n"
+    "ns = p.parse_args(sys.argv[1:])\n"
+    "sys.exit(ns.func(ns))\n"
+)
+
+
+def planner_run(args: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, float]:
+    """Run ``planner run ARGS``; returns (exit status, stdout + stderr, seconds)."""
+    wired = "add_run_parser" in (ROOT / "planner" / "cli.py").read_text()
+    head = ["-m", "planner", "run"] if wired else ["-c", _RUN, "run"]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, *head, *args],
+        env=full_env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("run")
+    env = {"MLP_IN": "32", "PLANNER_CACHE_DIR": str(tmp / "cache")}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        mf = load_model_file(MLP)
+        plan = plan_model(
+            mf.build(),
+            lambda b: (mf.sample(b).args, {}, mf.sample(b).targets),
+            cluster=from_gpus(2),
+            loss_fn=mf.loss,
+            options=PlanOptions(
+                training=Training(global_batch=32),
+                search=SearchOptions(pp=2, micro_batches=2, schedule="gpipe"),
+                profile=ProfileOptions(repeats=2, warmup=1),
+            ),
+            model_file="examples/mlp.py",
+        )
+    save_plan(plan, tmp / "plan.yaml")
+    common = [str(MLP), "--plan", "plan.yaml", "--checkpoint-dir", "ckpt"]
+    first = planner_run(
+        [*common, "--steps", "4", "--checkpoint-every", "2", "--trace", "trace.json"], env, tmp
+    )
+    second = planner_run([*common, "--steps", "6"], env, tmp)
+    return {"tmp": tmp, "plan": plan, "first": first, "second": second}
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
+def test_planner_run_trains_and_prints_each_step(runs: dict[str, Any]) -> None:
+    rc, out, _ = runs["first"]
+    assert rc == 0, out
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [s.split()[1] for s in steps] == ["1/4", "2/4", "3/4", "4/4"], out
+    for line in steps:
+        fields = line.split()
+        assert fields[2] == "loss" and float(fields[3]) > 0, line
+        assert fields[5] == "ms" and fields[7] == "samples/s", line
+    losses = [float(s.split()[3]) for s in steps]
+    assert losses[-1] < losses[0], losses  # it trains
+    assert "checkpoint saved: " in out and "step-00000004" in out
+    for step in (2, 4):
+        assert (runs["tmp"] / "ckpt" / f"step-{step:08d}" / "COMPLETE").is_file()
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
+def test_planner_run_prints_predicted_beside_measured(runs: dict[str, Any]) -> None:
+    rc, out, _ = runs["first"]
+    assert rc == 0, out
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("predicted vs measured"))
+    assert "pp 2 × dp 1" in lines[head] and "medians over step(s) 2–4" in lines[head], lines[head]
+    columns = lines[head + 1].split()
+    assert columns[:5] == ["stage", "ranks", "fwd", "ms", "meas"], columns
+    plan = runs["plan"]
+    for k in range(2):
+        cells = lines[head + 2 + k].split()
+        assert cells[0] == str(k) and cells[1] == str(k)
+        assert float(cells[2]) == pytest.approx(plan.stages[k].fwd_ms, abs=0.01)
+        assert float(cells[3]) > 0 and cells[4].endswith("%")  # measured, and its error
+    assert lines[head + 4].startswith("step: predicted"), lines[head + 4]
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
+def test_planner_run_writes_a_measured_trace_one_process_per_rank(runs: dict[str, Any]) -> None:
+    rc, out, _ = runs["first"]
+    assert rc == 0, out
+    data = json.loads((runs["tmp"] / "trace.json").read_text())
+    names = {
+        e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"
+    }
+    assert names == {0: "rank 0: replica 0, stage 0", 1: "rank 1: replica 0, stage 1"}
+    boxes = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    for rank in (0, 1):
+        mine = {(e["args"]["step"], e["name"]) for e in boxes if e["pid"] == rank}
+        for step in range(1, 5):
+            assert {(step, "F0"), (step, "F1"), (step, "B0"), (step, "B1")} <= mine, (rank, step)
+            assert (step, f"step {step}") in mine
+        assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in boxes)
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
+def test_planner_run_resumes_from_the_last_complete_checkpoint(runs: dict[str, Any]) -> None:
+    rc, out, _ = runs["second"]
+    assert rc == 0, out
+    assert "resumed from ckpt/step-00000004 (step 4)" in out, out
+    steps = [line.split()[1] for line in out.splitlines() if line.startswith("step ")]
+    assert steps == ["5/6", "6/6"], out
+    assert (runs["tmp"] / "ckpt" / "step-00000006" / "COMPLETE").is_file()
+
+
+def test_run_options_are_checked_before_launching(tmp_path: Path) -> None:
+    from runtime.launch import add_run_parser, cmd_run
+
+    parser = argparse.ArgumentParser(prog="planner")
+    add_run_parser(parser.add_subparsers())
+    ns = parser.parse_args(["run", str(MLP), "--plan", str(tmp_path / "missing.yaml")])
+    with pytest.raises(ValueError, match="not found"):
+        cmd_run(ns)
+    ns = parser.parse_args(["run", str(MLP), "--plan", "p.yaml", "--checkpoint-every", "2"])
+    with pytest.raises(ValueError, match="needs --checkpoint-dir"):
+        cmd_run(ns)
