@@ -12,7 +12,9 @@ For a layout (``pp`` stages × ``dp`` replicas, ``m`` micro-batches of
   link joining the two stages' devices: latency + bytes / bandwidth.
 * **all-reduce** of the stage's gradients across its ``dp`` replicas (ring:
   2(n−1)/n · bytes / bandwidth), once per step after the last backward; plus
-  the all-reduce of tied-parameter copies between the stages that hold them.
+  the all-reduce of tied-parameter copies between the stages that hold them;
+  then the **optimizer step**, a memory-bound pass over weights, gradients and
+  optimizer state (read and written once) at the device's memory bandwidth.
 * **memory** = parameters + gradients + optimizer state (bytes per parameter
   from ``--precision`` and ``--optimizer``, see ``state_bytes``) + buffers +
   DDP's gradient buckets (dp > 1) + tied copies (full state for each extra copy)
@@ -57,10 +59,15 @@ PRECISIONS = ("fp32", "bf16-mixed")
 
 # Fixed cost of one pipeline action (a forward or a backward of one micro-batch
 # on one stage), on top of the blocks' measured time: the schedule's Python
-# bookkeeping and the p2p handshake. Measured on this project's CPU/gloo runs:
-# a 2-stage ScheduleGPipe of 8 × Linear(1024) lost ~1 ms per action over gloo.
-# GPU/NCCL figure: kernel-launch scale. Calibrate with `planner run`.
-ACTION_OVERHEAD_MS = {"gloo": 1.0, "nccl": 0.05}
+# bookkeeping and the p2p handshake. gloo: measured by bench/bench_runtime.py
+# on a near-empty stage, 0.56–0.70 ms (median 0.68) per action on the 2-core
+# machine. NCCL: kernel-launch scale, not measured here (no GPU lent).
+ACTION_OVERHEAD_MS = {"gloo": 0.7, "nccl": 0.05}
+
+# Local CPU "devices" share one machine's memory system: with every process
+# computing at once, each stage's fwd+bwd ran 1.09–1.29× slower than alone
+# (bench/bench_runtime.py, "corun"); the profile measures one process alone.
+CPU_CORUN_SLOWDOWN = 1.15
 
 
 def state_bytes(precision: str, optimizer: str) -> tuple[float, float, float]:
@@ -275,6 +282,8 @@ class CostModel:
         self.act_scale = 0.5 if training.precision == "bf16-mixed" and self.param_elem == 4 else 1.0
         backend = cluster.backend
         self.overhead = ACTION_OVERHEAD_MS.get(backend, 0.0)
+        shared_cpu = backend == "gloo" and layout.pp * layout.dp > 1
+        self.compute_scale = CPU_CORUN_SLOWDOWN if shared_cpu else 1.0
         self.capacity = [
             min(cluster.devices[r].device.memory_bytes for r in layout.ranks[s])
             * (1 - training.memory_headroom)
@@ -289,7 +298,7 @@ class CostModel:
             tab = self.tables[t]
             v = tab.fwd[j] - tab.fwd[i] + (tab.loss_fwd if j == self.n_blocks else 0.0)
             out = max(out, v)
-        return out + self.overhead
+        return out * self.compute_scale + self.overhead
 
     def _bwd(self, s: int, i: int, j: int, recompute: bool) -> float:
         out = 0.0
@@ -299,7 +308,7 @@ class CostModel:
             if recompute:
                 v += tab.fwd[j] - tab.fwd[i]
             out = max(out, v)
-        return out + self.overhead
+        return out * self.compute_scale + self.overhead
 
     # ----------------------------------------------------------------- memory
 
@@ -356,8 +365,20 @@ class CostModel:
             worst = max(worst, self.cluster.p2p_time(a, b, nbytes))
         return worst * 1e3, worst * 1e3
 
+    def optimizer_ms(self, s: int, i: int, j: int) -> float:
+        """The optimizer step of stage s: weights and state read and written, gradients read."""
+        tab = self.tables[self.stage_types[s][0]]
+        n_params = (tab.params[j] - tab.params[i]) / self.param_elem
+        moved = n_params * (2 * (self.weights_b + self.optim_b) + self.grads_b)
+        slowest = 0.0
+        for r in self.layout.ranks[s]:
+            dev = self.cluster.devices[r].device
+            slowest = max(slowest, moved / (dev.memory_bandwidth * dev.memory_efficiency))
+        return slowest * 1e3
+
     def sync(self, s: int, i: int, j: int) -> float:
-        """Exposed gradient all-reduce of stage s (ms), tied copies included.
+        """The step's tail on stage s (ms): gradient all-reduce (tied copies
+        included), then the optimizer step.
 
         [Note: tied copies] A stage using a tied tensor whose owner block sits
         on another stage holds a copy; the copy's gradient is all-reduced with
@@ -381,7 +402,7 @@ class CostModel:
                 ),
                 default=0.0,
             )
-        return t * 1e3
+        return t * 1e3 + self.optimizer_ms(s, i, j)
 
     # ----------------------------------------------------------------- the ILP
 

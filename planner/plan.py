@@ -62,7 +62,8 @@ class StagePlan:
         fwd_ms, bwd_ms: predicted compute per micro-batch.
         send_ms: predicted transfer per micro-batch to the next stage
             (activations forward + gradients back).
-        sync_ms: predicted gradient all-reduce per step.
+        sync_ms: predicted tail of each step: gradient all-reduce (tied copies
+            included), then the optimizer step.
         memory: predicted peak bytes by kind (params, grads, optimizer,
             buffers, comm_buffers, tied_copies, activations, total) and the
             device's usable ``capacity``.

@@ -309,6 +309,10 @@ def _enumerate(
                 for sched in [options.schedule] if options.schedule else list(SCHEDULES):
                     if pp == 1 and sched == "1f1b":
                         continue  # one stage: both schedules are the same
+                    if sched == "1f1b" and m < pp:
+                        # torch's Schedule1F1B needs a micro-batch per stage in flight.
+                        rejected.append(f"1f1b needs micro-batches ≥ stages (m {m} < pp {pp})")
+                        continue
                     out.append((pp, dp, m, sched))
     return out, rejected
 
@@ -379,10 +383,15 @@ def _ranked(
             assert c.step_ms is not None
             slower = (c.step_ms - best_ms) / best_ms
             out.append(_with(c, "slower", f"{c.reason}: {c.step_ms:.1f} ms, +{slower:.1%}"))
+    # The solved ones first (best first), but keep room for a configuration that
+    # ran out of memory and one that was pruned, so the table shows why they lost;
+    # then fill up with whatever is left.
     others = [c for _, c in tried if c.step_ms is None]
     oom = [c for c in others if c.status == "out_of_memory"]
     rest = [c for c in others if c.status != "out_of_memory"]
-    return (out[: max(keep - 2, 1)] + oom[:1] + rest[:1] + out[max(keep - 2, 1) :])[:keep]
+    head = out[: max(keep - 2, 1)]
+    tail = out[len(head) :] + oom[1:] + rest[1:]
+    return (head + oom[:1] + rest[:1] + tail)[:keep]
 
 
 def _with(c: Candidate, status: str, reason: str, step_ms: float | None = None) -> Candidate:
