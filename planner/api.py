@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner import __version__
 from planner.cluster import Cluster, from_gpus
 from planner.cost import Training
 from planner.plan import Plan, SolverRecord, StagePlan
@@ -320,7 +319,3 @@ def _assemble(
         profiles=tuple(profiles.all_anchors()),
         warnings=tuple(warnings),
     )
-
-
-def planner_version() -> str:
-    return __version__

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -368,7 +368,3 @@ def plan_summary(plan: Plan) -> str:
         f"pp {plan.pp} × dp {plan.dp}, {plan.micro_batches} micro-batches ({plan.schedule}), "
         f"{plan.predicted['step_ms']:.1f} ms/step"
     )
-
-
-def stage_boundaries(plan: Plan) -> Sequence[tuple[int, int]]:
-    return [s.blocks for s in plan.stages]
