@@ -37,7 +37,7 @@ from functools import cached_property
 from itertools import accumulate
 
 from planner.cluster import Cluster
-from planner.records import ModelProfile
+from planner.records import DTYPE_BYTES, ModelProfile
 from planner.simulate import SCHEDULES, Timeline, closed_form, simulate
 from planner.solve import PartitionProblem
 
@@ -276,8 +276,7 @@ class CostModel:
         self.weights_b, self.grads_b, self.optim_b = state_bytes(
             training.precision, training.optimizer
         )
-        dtype_bytes = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-        self.param_elem = dtype_bytes.get(any_prof.dtype, 4)
+        self.param_elem = DTYPE_BYTES.get(any_prof.dtype, 4)
         # Activations are profiled in the profile's dtype; bf16-mixed halves fp32 ones.
         self.act_scale = 0.5 if training.precision == "bf16-mixed" and self.param_elem == 4 else 1.0
         backend = cluster.backend

@@ -41,7 +41,7 @@ from planner.localdevice import local_cpu
 from planner.measure import MAX_REPEATS as MAX_REPEATS
 from planner.measure import MIN_MEASURE_S as MIN_MEASURE_S
 from planner.measure import _attr, _BlockRunner, _forward_pass, _loss_cost, _measure, _requires_grad
-from planner.records import BlockCost, ModelProfile, TiedSet
+from planner.records import DTYPE_BYTES, BlockCost, ModelProfile, TiedSet
 
 __all__ = ["ProfileOptions", "profile_chain", "profile_model"]
 
@@ -364,11 +364,8 @@ def _model_dtype(model: nn.Module) -> str:
     return "float32"
 
 
-_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
-
-
 def _dtype_scale(dtype: str | None, model_dtype: str) -> float:
     """Bytes of the analytic ``dtype`` relative to the model's own float dtype."""
-    if dtype is None or model_dtype not in _DTYPE_BYTES:
+    if dtype is None or model_dtype not in DTYPE_BYTES:
         return 1.0
-    return _DTYPE_BYTES[dtype] / _DTYPE_BYTES[model_dtype]
+    return DTYPE_BYTES[dtype] / DTYPE_BYTES[model_dtype]

@@ -14,7 +14,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["BlockCost", "ModelProfile", "TiedSet"]
+__all__ = ["DTYPE_BYTES", "BlockCost", "ModelProfile", "TiedSet"]
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+"""Bytes per element of the dtype names a profile uses (``ModelProfile.dtype``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
