@@ -206,6 +206,9 @@ def profile_chain(
             )
 
     owners = _Owners(chain)
+    # Every byte figure is in the profile's dtype: an analytic bf16 profile of an
+    # fp32 model halves parameters as well as activations, so that the cost
+    # model's bytes / dtype size gives the parameter count.
     scale = _dtype_scale(options.dtype, _model_dtype(model))
     blocks = []
     for k, (block, runner) in enumerate(zip(chain.blocks, runners, strict=True)):
@@ -216,7 +219,7 @@ def profile_chain(
                 modules=tuple(block.modules),
                 fwd_ms=fwd_ms[k],
                 bwd_ms=bwd_ms[k],
-                param_bytes=owners.param_bytes(k, cap.gm),
+                param_bytes=int(owners.param_bytes(k, cap.gm) * scale),
                 buffer_bytes=owners.buffer_bytes(k, cap.gm),
                 activation_bytes=int(runner.saved_bytes * scale),
                 output_bytes=int(block.output_bytes * scale),
@@ -227,7 +230,7 @@ def profile_chain(
             )
         )
     tied = tuple(
-        TiedSet(names=names, blocks=blocks_, nbytes=_param_nbytes(names[0], model))
+        TiedSet(names=names, blocks=blocks_, nbytes=int(_param_nbytes(names[0], model) * scale))
         for names, blocks_ in chain.tied
     )
     notes = [f"excluded split point {e.fqn}: {e.reason}" for e in chain.excluded]

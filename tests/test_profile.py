@@ -117,6 +117,8 @@ def test_analytic_bf16_halves_activation_bytes() -> None:
         model, (x,), options=ProfileOptions(device="a100-80gb", dtype="bf16", cache=False)
     )
     assert [b.boundary_bytes // 2 for b in fp32.blocks] == [b.boundary_bytes for b in bf16.blocks]
+    # Parameters too: bytes ÷ the profile's dtype size is the parameter count in both.
+    assert [b.param_bytes // 2 for b in fp32.blocks] == [b.param_bytes for b in bf16.blocks]
     assert bf16.dtype == "bf16"
     assert sum(b.fwd_ms for b in bf16.blocks) < sum(b.fwd_ms for b in fp32.blocks)
 
