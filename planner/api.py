@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from planner import cache as _cache
+from planner.capture import CaptureError
 from planner.cluster import Cluster, from_gpus
 from planner.cost import Training
 from planner.plan import Plan, SolverRecord, StagePlan
@@ -21,6 +23,7 @@ from planner.profile import ProfileOptions, Progress, profile_model
 from planner.records import ModelProfile
 from planner.scaling import at_batch_size
 from planner.search import SearchOptions, SearchResult, configurations, search
+from planner.solve import check_solver
 
 __all__ = ["PlanOptions", "plan_model"]
 
@@ -76,6 +79,14 @@ def plan_model(
             (default: the sample's batch size).
         model_file: recorded in the plan, for people.
         progress: progress callback.
+
+    Raises:
+        ValueError: no configuration is possible or fits (the message says why,
+            with the numbers, and what to change); the model cannot be captured.
+        SolverUnavailable: the ILP solver is not installed (before any profiling).
+
+    Profiles measured on the way enter the on-disk cache only when planning
+    succeeds (see :func:`planner.cache.deferred`).
     """
     cluster = cluster or from_gpus(8)
     sampler, sample_batch = _sampler(sample)
@@ -85,18 +96,43 @@ def plan_model(
             raise ValueError("give global_batch (or options) when sample is a function")
         options = PlanOptions(training=Training(global_batch=batch))
     training = options.training
-    profiles = _Profiles(model, sampler, loss_fn, cluster, training, options, progress)
-    base = profiles.first()
-    names = [b.name for b in base.blocks]
-    result = search(
-        profiles.get,
-        cluster,
-        training,
-        options.search,
-        n_blocks=len(base.blocks),
-        block_names=names,
+    check_solver(options.search.solver)  # fail before minutes of profiling, not after
+    with _cache.deferred():
+        profiles = _Profiles(model, sampler, loss_fn, cluster, training, options, progress)
+        base = profiles.first()
+        names = [b.name for b in base.blocks]
+        try:
+            result = search(
+                profiles.get,
+                cluster,
+                training,
+                options.search,
+                n_blocks=len(base.blocks),
+                block_names=names,
+            )
+        except ValueError as exc:
+            _explain_excluded(exc, base)
+            raise
+        return _assemble(result, base, cluster, training, options, profiles, model, model_file)
+
+
+def _explain_excluded(exc: ValueError, base: ModelProfile) -> None:
+    """Add the split points that were excluded (and why) to a search failure's message."""
+    prefix = "excluded split point "
+    excluded = [n.removeprefix(prefix) for n in base.notes if n.startswith(prefix)]
+    if not excluded:
+        return
+    shown = "\n".join(f"    {e}" for e in excluded[:8])
+    more = f"\n    (+{len(excluded) - 8} more)" if len(excluded) > 8 else ""
+    exc.args = (
+        f"{exc}\n"
+        f"  {len(excluded)} candidate split point(s) were excluded, so the model has only "
+        f"{len(base.blocks)} block(s) that can start a stage:\n{shown}{more}\n"
+        "  A stage can only receive tensors: make the module before such a point return "
+        "tensors (index a tuple or list before the next module call, pass numbers as "
+        "tensors or configuration), so that the point becomes legal.",
+        *exc.args[1:],
     )
-    return _assemble(result, base, cluster, training, options, profiles, model, model_file)
 
 
 # --------------------------------------------------------------------------- samples
@@ -178,18 +214,41 @@ class _Profiles:
             cache=base.cache,
             split_points=self.split_points,
         )
-        prof = profile_model(
-            self.model,
-            args,
-            kwargs,
-            targets=targets,
-            loss_fn=self.loss_fn,
-            options=opts,
-            progress=self.progress,
-        )
+        try:
+            prof = profile_model(
+                self.model,
+                args,
+                kwargs,
+                targets=targets,
+                loss_fn=self.loss_fn,
+                options=opts,
+                progress=self.progress,
+            )
+        except CaptureError as exc:
+            if b == max(self.sizes):
+                raise
+            raise self._too_small(b, exc) from exc
         if self.split_points is None:
             self.split_points = tuple(b.name for b in prof.blocks)
         return prof
+
+    def _too_small(self, b: int, exc: CaptureError) -> ValueError:
+        """The model runs at the largest micro-batch but not at ``b`` (e.g. BatchNorm1d at 1)."""
+        batch = self.training.global_batch
+        least = min(size for size in self.sizes if size > b)
+        m = max(k for k in range(1, batch + 1) if batch % k == 0 and batch // k >= least)
+        cause = exc.__cause__ or exc
+        return ValueError(
+            f"the model does not run on a micro-batch of {b} sample(s): "
+            f"{type(cause).__name__}: {str(cause).strip().splitlines()[0]}\n"
+            f"  why: the search tries every micro-batch count m that divides the batch, so "
+            f"micro-batches of {batch} / (dp × m) = {', '.join(map(str, self.sizes))} "
+            f"samples; the model runs on {max(self.sizes)}, not on {b}.\n"
+            f"  fix: pin --micro-batches (and --dp) so that each micro-batch holds at least "
+            f"{least} samples, e.g. --dp 1 --micro-batches {m}; or "
+            "make the model run on smaller batches (e.g. LayerNorm or GroupNorm instead of "
+            "BatchNorm1d)"
+        )
 
     def first(self) -> ModelProfile:
         device = self.cluster.device_types[0]
@@ -270,12 +329,14 @@ def _assemble(
             )
         )
     warnings = list(result.warnings)
-    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    if has_bn and lay.micro_batches > 1:
+    bns = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if bns and lay.micro_batches > 1:
         warnings.append(
-            f"the model has BatchNorm: with {lay.micro_batches} micro-batches its statistics "
-            f"are computed over {prof.batch_size} samples at a time, not the replica's "
-            f"{training.global_batch // lay.dp}"
+            f"the model has BatchNorm ({', '.join(bns[:3])}{', ...' if len(bns) > 3 else ''}): "
+            f"with {lay.micro_batches} micro-batches its statistics are computed over "
+            f"{prof.batch_size} samples at a time, not the replica's "
+            f"{training.global_batch // lay.dp}; pin --micro-batches 1 to keep them, or use a "
+            "normalisation without batch statistics (LayerNorm, GroupNorm)"
         )
     n_params = sum(p.numel() for p in model.parameters())
     return Plan(

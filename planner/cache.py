@@ -4,6 +4,10 @@ Location: ``$PLANNER_CACHE_DIR``, else ``$XDG_CACHE_HOME/planner``, else
 ``~/.cache/planner``. A file is written to a temporary name and renamed into
 place, so a crash never leaves a half-written entry; an unreadable entry is
 ignored (and removed) with a warning.
+
+Inside :func:`deferred` (``planner plan`` runs in one), entries are held in
+memory and written only when the block succeeds: a plan that fails leaves
+nothing behind, not even the profiles it measured on the way.
 """
 
 from __future__ import annotations
@@ -13,15 +17,21 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cache_dir", "key", "load", "store"]
+__all__ = ["cache_dir", "deferred", "key", "load", "store"]
 
 log = logging.getLogger(__name__)
 
 # Bump when the profile's meaning changes, so old entries are not reused.
 _FORMAT = 1
+
+# Entries stored inside `deferred()`, by key; None outside it.
+_pending: ContextVar[dict[str, dict[str, Any]] | None] = ContextVar("_pending", default=None)
 
 
 def cache_dir() -> Path:
@@ -42,7 +52,36 @@ def key(*parts: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Hold the entries stored inside the block; write them when it succeeds, drop them if not.
+
+    Example::
+
+        with cache.deferred():
+            plan = plan_model(...)      # profiles land in the cache only if this returns
+
+    Nested blocks hand their entries to the outer one; only the outermost writes.
+    """
+    outer = _pending.get()
+    held: dict[str, dict[str, Any]] = {}
+    token = _pending.set(held)
+    try:
+        yield
+    finally:
+        _pending.reset(token)
+    # Reached only when the block did not raise.
+    if outer is not None:
+        outer.update(held)
+        return
+    for k, data in held.items():
+        _write(k, data)
+
+
 def load(k: str) -> dict[str, Any] | None:
+    held = _pending.get()
+    if held is not None and k in held:
+        return json.loads(json.dumps(held[k]))  # a copy, as a read from disk would give
     path = cache_dir() / f"profile-{k}.json"
     if not path.exists():
         return None
@@ -62,7 +101,18 @@ def load(k: str) -> dict[str, Any] | None:
 
 
 def store(k: str, data: dict[str, Any]) -> Path | None:
-    """Write an entry atomically; a cache that cannot be written is skipped with a warning."""
+    """Write an entry atomically (inside :func:`deferred`: when the block succeeds).
+
+    A cache that cannot be written is skipped with a warning.
+    """
+    held = _pending.get()
+    if held is not None:
+        held[k] = data
+        return cache_dir() / f"profile-{k}.json"
+    return _write(k, data)
+
+
+def _write(k: str, data: dict[str, Any]) -> Path | None:
     directory = cache_dir()
     path = directory / f"profile-{k}.json"
     try:

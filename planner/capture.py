@@ -12,8 +12,11 @@ The captured ``GraphModule`` shares its parameters and buffers with the model
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import logging
+import sys
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -162,7 +165,8 @@ def fingerprint(cap: Captured, model: nn.Module) -> str:
 def _capture_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
     modes = [(m, m.training) for m in model.modules()]
     try:
-        ep = torch.export.export(model, args, kwargs, strict=False)
+        with _quiet_export():
+            ep = torch.export.export(model, args, kwargs, strict=False)
     finally:
         # Restore every submodule's own mode (a BatchNorm in eval inside a
         # training model stays in eval): model.train(x) would reset them all.
@@ -187,6 +191,34 @@ def _capture_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         input_names=inputs,
         flat_inputs=flat,
     )
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Keep torch.export's failure chatter off the user's terminal.
+
+    On a failure torch.export prints the partial graph to stderr and its shape
+    code logs warnings; our CaptureError says what matters, so both go to this
+    module's debug log. Whatever else the model writes to stderr is passed on.
+    """
+    buffer = io.StringIO()
+    noisy = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = noisy.level
+    noisy.setLevel(logging.ERROR)
+    failed = False
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        noisy.setLevel(level)
+        text = buffer.getvalue()
+        if failed and text:
+            log.debug("torch.export wrote, before failing:\n%s", text)
+        elif text:
+            sys.stderr.write(text)
 
 
 def _drop_guard_nodes(gm: torch.fx.GraphModule) -> None:
@@ -327,6 +359,17 @@ def _explain_failure(model: nn.Module, export_exc: Exception, fx_exc: Exception)
         )
     else:
         location = "No module of the model appears in the traceback.\n"
+    if type(export_exc) is type(fx_exc) and str(export_exc) == str(fx_exc):
+        # Both tracers run the forward on the sample: the same error from both is
+        # the model's own, not a tracing problem.
+        return (
+            "could not capture the model as a graph: running it on the sample batch raised "
+            f"{type(fx_exc).__name__}: {_first_line(fx_exc)}\n"
+            f"{location}"
+            "Why: both tracers run the forward pass on the sample batch, and the model "
+            "itself fails on it (calling model(*inputs) directly raises the same).\n"
+            "Fix: make the forward run on this input (its shapes, dtypes and batch size)."
+        )
     return (
         "could not capture the model as a graph.\n"
         f"{location}"

@@ -2,7 +2,9 @@
 
 The CLI only parses arguments into the same option dataclasses the Python API
 takes, calls the API, and prints. Errors a user can fix print one message
-(what, why, how to fix) and exit with status 1; no traceback.
+(what, why, how to fix) and exit with status 1; no traceback (``-v`` adds the
+original one). A failed ``planner plan`` leaves no files behind: no plan, and
+no profile-cache entry.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,16 +42,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except ValueError as exc:  # user errors: what, why, how to fix
-        print(f"error: {exc}", file=sys.stderr)
-        cause = exc.__cause__
-        if cause is not None and ns.verbose:
-            import traceback
-
-            traceback.print_exception(cause)
-        elif cause is not None:
-            print("(run with -v for the original traceback)", file=sys.stderr)
+    except _user_errors() as exc:  # what, why, how to fix
+        _print_error(str(exc), exc.__cause__, ns.verbose)
         return 1
+    except OSError as exc:  # a file we could not read or write
+        where = f" {exc.filename}" if exc.filename else ""
+        _print_error(
+            f"cannot access{where}: {exc.strerror or exc}; check the path and its permissions",
+            exc,
+            ns.verbose,
+        )
+        return 1
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors a user fixes: bad input, a missing solver. (Evaluated only when something
+    is raised, so PuLP, slow to import, is not loaded by ``planner --version``.)"""
+    from planner.solve import SolverUnavailable
+
+    return (ValueError, SolverUnavailable)
+
+
+def _print_error(message: str, cause: BaseException | None, verbose: bool) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    if cause is not None and verbose:
+        import traceback
+
+        traceback.print_exception(cause)
+    elif cause is not None:
+        print("(run with -v for the original traceback)", file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -169,6 +191,7 @@ def _add_show_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
+    from planner import cache
     from planner.api import PlanOptions, plan_model
     from planner.cluster import from_gpus, load_cluster
     from planner.cost import Training
@@ -187,6 +210,8 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         if gpus < 1:
             raise ValueError(f"--gpus must be ≥ 1, got {gpus}")
         cluster = from_gpus(gpus, ns.device_type)
+    for flag, value in (("--out", ns.out), ("--report", ns.report), ("--trace", ns.trace)):
+        _check_writable(flag, value)
     mf = load_model_file(ns.model_file)
     batch = ns.batch_size or mf.batch_size
     options = PlanOptions(
@@ -217,27 +242,56 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         bt = mf.sample(b)
         return bt.args, bt.kwargs, bt.targets
 
-    with progress_bar() as progress:
-        plan = plan_model(
-            model,
-            sampler,
-            cluster=cluster,
-            loss_fn=mf.loss,
-            options=options,
-            model_file=str(ns.model_file),
-            progress=progress,
-        )
-    _render(plan, ns)
-    path = save_plan(plan, ns.out)
-    print(f"plan written to {path}")
+    started = time.perf_counter()
+    # Profiles enter the cache only if the plan is written too.
+    with cache.deferred():
+        with progress_bar() as progress:
+            plan = plan_model(
+                model,
+                sampler,
+                cluster=cluster,
+                loss_fn=mf.loss,
+                options=options,
+                model_file=str(ns.model_file),
+                progress=progress,
+            )
+        _print_report(plan)
+        path = save_plan(plan, ns.out)
+    # Wall-clock times are printed, never saved: [Note: reproducible plan files].
+    took = f"planning took {time.perf_counter() - started:.1f} s"
+    if plan.solver.solve_s is not None:
+        took += f", the chosen placement's solve {plan.solver.solve_s:.2f} s"
+    print(f"plan written to {path} ({took})")
+    _write_extras(plan, ns)
     return 0
+
+
+def _check_writable(flag: str, value: str | None) -> None:
+    """Refuse an output path that cannot be written, before minutes of profiling."""
+    import os
+    from pathlib import Path
+
+    if value is None:
+        return
+    path = Path(value)
+    folder = next((p for p in path.absolute().parents if p.exists()), None)
+    if path.is_dir():
+        problem = "is a folder"
+    elif folder is not None and not folder.is_dir():
+        problem = f"lies under {folder}, which is a file"
+    elif folder is not None and not os.access(folder, os.W_OK | os.X_OK):
+        problem = f"cannot be created: {folder} is not writable"
+    else:
+        return
+    raise ValueError(f"{flag} {value} {problem}; give a file path in a folder you can write to")
 
 
 def _cmd_show(ns: argparse.Namespace) -> int:
     from planner.plan import load_plan
 
     plan = load_plan(ns.plan_file)
-    _render(plan, ns)
+    _print_report(plan)
+    _write_extras(plan, ns)
     return 0
 
 
@@ -246,10 +300,16 @@ def _console() -> Console:
     return Console(width=None if sys.stdout.isatty() else 150)
 
 
-def _render(plan: Plan, ns: argparse.Namespace) -> None:
-    from planner.report import print_plan, write_html, write_trace
+def _print_report(plan: Plan) -> None:
+    from planner.report import print_plan
 
     print_plan(plan, console=_console())
+
+
+def _write_extras(plan: Plan, ns: argparse.Namespace) -> None:
+    """The HTML report and the trace, when asked for."""
+    from planner.report import write_html, write_trace
+
     if ns.report:
         print(f"report written to {write_html(plan, ns.report)}")
     if ns.trace:

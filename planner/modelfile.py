@@ -189,10 +189,11 @@ class ModelFile:
     def _raised(self, call: str, exc: Exception) -> ModelFileError:
         return _error(
             self.path,
-            f"{call} raised {type(exc).__name__}: {exc}",
+            f"{call} raised {type(exc).__name__}{_where(exc, self.path)}: {exc}",
             "the planner needs the model and a sample batch to trace and profile it",
-            f"fix the error in {call.split('(')[0]} (the traceback above shows where); "
-            "build_model is called with no arguments, so its parameters need defaults",
+            f"fix the error in {call.split('(')[0]} (the chained traceback shows the whole "
+            "stack; `planner -v` prints it); build_model is called with no arguments, so its "
+            "parameters need defaults",
         )
 
     def build(self) -> nn.Module:
@@ -359,13 +360,16 @@ def _import(path: Path) -> types.ModuleType:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:
         sys.modules.pop(name, None)
-        line = f" at line {exc.lineno}" if isinstance(exc, SyntaxError) and exc.lineno else ""
+        if isinstance(exc, SyntaxError) and exc.lineno and exc.filename == str(path):
+            line = f" at line {exc.lineno}"
+        else:
+            line = _where(exc, path)
         raise _error(
             path,
             f"importing it raised {type(exc).__name__}{line}: {exc}",
             "the planner imports the model file to find build_model and sample_batch",
-            f"fix the error (the traceback above shows where; `python {path.name}` "
-            f"reproduces it). Sibling modules in {folder} are importable",
+            f"fix the error (`python {path.name}` reproduces it; the chained traceback, "
+            f"`planner -v`, shows the whole stack). Sibling modules in {folder} are importable",
         ) from exc
     finally:
         # Ours is at 0 unless the file edited sys.path; never drop an entry the user had.
@@ -374,6 +378,21 @@ def _import(path: Path) -> types.ModuleType:
         elif folder in sys.path:
             sys.path.remove(folder)
     return module
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    """' at line N (`source`)': the last line of ``path`` in the traceback, or ''."""
+    import linecache
+    import traceback
+
+    found = None
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        if frame.f_code.co_filename == str(path):
+            found = lineno
+    if found is None:
+        return ""
+    source = linecache.getline(str(path), found).strip()
+    return f" at line {found}" + (f" (`{source}`)" if source else "")
 
 
 def _check_names(path: Path, module: types.ModuleType) -> None:

@@ -10,6 +10,22 @@ Files are read with ``yaml.safe_load`` only (no Python tags) and validated
 against the schema in :mod:`planner.plan_schema`; errors name the key path and
 the expected type. The runtime imports this module (with ``plan_schema``) and
 ``records`` only.
+
+[Note: reproducible plan files] The same inputs (model file, cluster, options
+and profile; an analytic device type, or a measured profile reused from the
+cache) give a byte-identical plan file. So the file holds nothing that depends
+on the run: no wall-clock time (``SolverRecord.solve_s`` is kept in memory,
+never saved; the CLI prints how long planning took), keys in a fixed order, floats
+rounded to 6 significant digits. The search is deterministic: configurations
+in a fixed order, HiGHS with a fixed seed, and one answer among placements of
+equal step time ([Note: tie-breaking] in :mod:`planner.solve.feasible`). One
+exception: a solve stopped by ``--time-limit`` keeps whatever it had found by
+then, which depends on the machine's speed; the plan then says
+``status: time_limit``. (Plans for local CPU devices also depend on the CPU's
+speed, measured in each process.)
+
+Format versions: 1 also recorded ``solver.solve_s``; 2 (written now) does not.
+Both are read.
 """
 
 from __future__ import annotations
@@ -38,8 +54,8 @@ __all__ = [
     "save_plan",
 ]
 
-PLAN_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+PLAN_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 
 
 class PlanError(ValueError):
@@ -103,16 +119,31 @@ class Candidate:
 
 @dataclass(frozen=True, kw_only=True)
 class SolverRecord:
-    """How the chosen placement was found and how sure we are of it."""
+    """How the chosen placement was found and how sure we are of it.
+
+    Attributes:
+        name: "highs" or "cbc".
+        status: "optimal" (proven), "time_limit" (the limit stopped the solver;
+            the best placement found by then) or "heuristic" (the solver ended
+            otherwise without a better placement; the heuristic's).
+        gap: (step − bound) / step, the most the placement can be off optimal.
+        bound_ms: the proven lower bound on the step time.
+        solve_s: wall seconds of the chosen configuration's solve, for this
+            run only: not saved, so that the same inputs give the same file
+            (None once loaded, except from a version 1 file).
+        time_limit_s: the limit per solve.
+        n_segments: binaries in the ILP after pruning.
+        note: e.g. how the ILP's placement was refined by simulation.
+    """
 
     name: str
-    status: str  # "optimal" | "time_limit" | "heuristic"
+    status: str
     gap: float | None
     bound_ms: float | None
-    solve_s: float
+    solve_s: float | None = None
     time_limit_s: float | None
     n_segments: int
-    note: str = ""  # e.g. how the ILP's placement was refined by simulation
+    note: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,7 +189,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "version": self.version,
+            "version": PLAN_VERSION,  # the dict (and the file) is always in the current format
             "model": dict(self.model),
             "cluster": dict(self.cluster),
             "training": {
@@ -193,7 +224,7 @@ class Plan:
                 "status": self.solver.status,
                 "gap": _num(self.solver.gap),
                 "bound_ms": _num(self.solver.bound_ms),
-                "solve_s": _num(self.solver.solve_s),
+                # No solve_s: see [Note: reproducible plan files].
                 "time_limit_s": self.solver.time_limit_s,
                 "n_segments": self.solver.n_segments,
                 "note": self.solver.note,
@@ -220,11 +251,13 @@ class Plan:
     def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
         """Validate ``data`` against the schema and build the plan."""
         # plan_schema imports this module (PlanError, the versions): reach it at call time.
-        from planner.plan_schema import _SCHEMA, _check, _check_consistent, _check_version
+        from planner.plan_schema import _check, _check_consistent, _check_version, schema
 
         if isinstance(data, Mapping):
             _check_version(data, source)
-        _check(data, _SCHEMA, source)
+            _check(data, schema(data["version"]), source)
+        else:
+            _check(data, schema(PLAN_VERSION), source)  # names what was expected
         version = data["version"]
         tr, lay = data["training"], data["layout"]
         stages = tuple(
@@ -264,7 +297,7 @@ class Plan:
                 status=sv["status"],
                 gap=sv["gap"],
                 bound_ms=sv["bound_ms"],
-                solve_s=sv["solve_s"],
+                solve_s=sv.get("solve_s"),  # version 1 files only
                 time_limit_s=sv["time_limit_s"],
                 n_segments=sv["n_segments"],
                 note=sv.get("note") or "",
@@ -282,20 +315,38 @@ class Plan:
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
-    """Write ``plan`` as YAML, atomically (a temporary file renamed into place)."""
+    """Write ``plan`` as YAML, atomically (a temporary file renamed into place).
+
+    The same plan always gives the same bytes: see [Note: reproducible plan files].
+
+    Raises:
+        PlanError: the file cannot be written (the message says why and what to do).
+    """
     path = Path(path)
-    text = yaml.dump(plan.to_dict(), Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    text = _plan_text(plan)
+    tmp: str | None = None
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(_HEADER)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        tmp = None
+    except OSError as exc:
+        raise PlanError(
+            f"cannot write the plan to {path}: {exc.strerror or exc}; "
+            "choose another --out path (a file in a folder you can write to)"
+        ) from exc
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
     return path
+
+
+def _plan_text(plan: Plan) -> str:
+    """The plan file's text (what :func:`save_plan` writes)."""
+    body = yaml.dump(plan.to_dict(), Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
+    return _HEADER + body
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
@@ -317,7 +368,14 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
             f"plan file {path} not found; create one with `planner plan model.py --out {path}`"
         )
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanError(
+            f"cannot read the plan file {path}: {exc}; check its permissions, or regenerate "
+            "it with `planner plan`"
+        ) from exc
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise PlanError(
             f"{path} is not a valid plan file: {exc}\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from planner.plan import SUPPORTED_VERSIONS, Plan, PlanError
+from planner.plan import PLAN_VERSION, SUPPORTED_VERSIONS, Plan, PlanError
 
 Spec = Any  # a type, a tuple of types, a dict (mapping schema), or a list [item spec]
 
@@ -49,7 +49,6 @@ _SCHEMA: dict[str, Spec] = {
         "status": str,
         "gap": _opt(_NUM),
         "bound_ms": _opt(_NUM),
-        "solve_s": _NUM,
         "time_limit_s": _opt(_NUM),
         "n_segments": int,
         "note": _opt(str),
@@ -71,6 +70,17 @@ _SCHEMA: dict[str, Spec] = {
     "parameter_shapes": _opt({"*": [int]}),
     "profiles": _opt([{"*": object}]),
 }
+
+
+# Version 1 also recorded the solve's wall time (see [Note: reproducible plan files]).
+_SCHEMA_V1: dict[str, Spec] = {**_SCHEMA, "solver": {**_SCHEMA["solver"], "solve_s": _NUM}}
+_SCHEMAS: dict[int, dict[str, Spec]] = {1: _SCHEMA_V1, PLAN_VERSION: _SCHEMA}
+assert set(_SCHEMAS) == set(SUPPORTED_VERSIONS)
+
+
+def schema(version: int) -> dict[str, Spec]:
+    """The schema of a supported plan format version."""
+    return _SCHEMAS[version]
 
 
 def _type_name(spec: Spec) -> str:
@@ -138,12 +148,16 @@ def _show(value: Any) -> str:
 
 def _check_version(data: Mapping[str, Any], path: str) -> None:
     version = data.get("version")
-    if version not in SUPPORTED_VERSIONS:
-        supported = ", ".join(map(str, SUPPORTED_VERSIONS))
+    # bool is an int in Python: `version: true` is not version 1.
+    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
+        *older, newest = map(str, SUPPORTED_VERSIONS)
+        supported = f"versions {', '.join(older)} and {newest}" if older else f"version {newest}"
+        found = "no version" if "version" not in data else f"version {version!r}"
         raise PlanError(
-            f"{path}.version: plan format version {version!r} is not supported "
-            f"(this planner reads version {supported}); regenerate the plan with "
-            "`planner plan` or upgrade the planner"
+            f"{path}.version: plan format {found} is not supported (this planner reads "
+            f"{supported}; it writes version {PLAN_VERSION}).\n"
+            "  fix: regenerate the plan with `planner plan`, or use the planner version that "
+            "wrote it"
         )
 
 

@@ -39,6 +39,7 @@ from planner.solve import (
     PartitionTimeout,
     solve_partition,
 )
+from planner.solve.problem import _fmt_bytes
 
 __all__ = ["SearchOptions", "SearchResult", "configurations", "layouts", "search"]
 
@@ -175,6 +176,7 @@ def search(
     solved: list[SearchResult] = []
     best: SearchResult | None = None
     best_ms = math.inf
+    oom_costs: list[CostModel] = []  # for the message when nothing fits
     for cfg in _bounded(profile_for, cluster, training, configs):
         if cfg.bound >= best_ms:
             tried.append(
@@ -203,6 +205,7 @@ def search(
             )
         except PartitionInfeasible as exc:
             tried.append((cfg, _candidate(cfg, None, "out_of_memory", _first_line(str(exc)))))
+            oom_costs.append(cost)
             continue
         except PartitionTimeout as exc:
             tried.append((cfg, _candidate(cfg, None, "timeout", _first_line(str(exc)))))
@@ -231,13 +234,7 @@ def search(
         best = min(top, key=lambda r: r.prediction.step_ms)
         best_ms = best.prediction.step_ms
     if best is None:
-        reasons = [c.reason for _, c in tried if c.status in ("out_of_memory", "timeout")]
-        raise ValueError(
-            "no configuration fits: every candidate ran out of memory or time.\n"
-            + "\n".join(f"  {r}" for r in reasons[: options.keep])
-            + "\nFix: use more or larger devices, a smaller batch or more micro-batches, "
-            "--precision bf16-mixed, or --optimizer sgd."
-        )
+        raise ValueError(_nothing_fits(tried, oom_costs, cluster, training, options))
     best.candidates = _ranked(tried, best, best_ms, options.keep)
     best.warnings = _warnings(best, options)
     return best
@@ -268,28 +265,57 @@ def _enumerate(
     options: SearchOptions,
     n_blocks: int | None,
     allowed_starts: frozenset[int] | None,
-) -> tuple[list[tuple[int, int, int, str]], list[str]]:
+) -> tuple[list[tuple[int, int, int, str]], list[tuple[str, str]]]:
+    """The configurations, and (why, fix) for each one rejected."""
     n_dev = cluster.n_devices
+    batch = training.global_batch
     if n_blocks is None:
         max_stages = n_dev
     else:
         max_stages = (len(allowed_starts) if allowed_starts is not None else n_blocks - 1) + 1
-    rejected: list[str] = []
+    rejected: list[tuple[str, str]] = []
     out: list[tuple[int, int, int, str]] = []
     pps = [options.pp] if options.pp else [p for p in range(1, n_dev + 1) if n_dev % p == 0]
     for pp in pps:
         if pp > max_stages:
-            rejected.append(f"pp {pp} > {max_stages} (blocks with legal split points)")
+            rejected.append(
+                (
+                    f"pp {pp} > {max_stages}: the model has {max_stages} block(s) that can "
+                    f"start a stage ({max_stages - 1} legal split point(s)), so at most "
+                    f"{max_stages} stage(s)",
+                    f"--pp {max_stages} or fewer (or leave --pp unset)",
+                )
+            )
             continue
         dps = [options.dp] if options.dp else ([n_dev // pp] if n_dev % pp == 0 else [])
+        if not dps:
+            divisors = ", ".join(str(p) for p in range(1, n_dev + 1) if n_dev % p == 0)
+            rejected.append(
+                (
+                    f"pp {pp} does not divide the {n_dev} devices "
+                    f"(dp = {n_dev} / {pp} = {n_dev / pp:g} is not whole)",
+                    f"--pp among {divisors}, or a --dp with pp × dp ≤ {n_dev}",
+                )
+            )
         for dp in dps:
             if pp * dp > n_dev:
-                rejected.append(f"pp × dp = {pp} × {dp} > {n_dev} devices")
+                rejected.append(
+                    (
+                        f"pp × dp = {pp} × {dp} = {pp * dp} > {n_dev} devices",
+                        f"--pp and --dp with pp × dp ≤ {n_dev}",
+                    )
+                )
                 continue
-            if training.global_batch % dp:
-                rejected.append(f"batch {training.global_batch} not divisible by dp {dp}")
+            if batch % dp:
+                rejected.append(
+                    (
+                        f"batch {batch} not divisible by dp {dp} ({batch} / {dp} = {batch / dp:g})",
+                        f"{_batch_sizes(batch, dp)} (multiples of dp {dp}), or a --dp that "
+                        f"divides {batch}",
+                    )
+                )
                 continue
-            per_replica = training.global_batch // dp
+            per_replica = batch // dp
             ms = (
                 [options.micro_batches]
                 if options.micro_batches
@@ -301,9 +327,15 @@ def _enumerate(
             )
             for m in ms:
                 if per_replica % m:
+                    ok = [k for k in range(1, per_replica + 1) if per_replica % k == 0]
                     rejected.append(
-                        f"replica batch {per_replica} (= {training.global_batch} / dp {dp}) "
-                        f"not divisible by {m} micro-batches"
+                        (
+                            f"replica batch {per_replica} (= {batch} / dp {dp}) not divisible "
+                            f"by {m} micro-batches ({per_replica} / {m} = {per_replica / m:g})",
+                            f"--micro-batches among {', '.join(map(str, ok[:12]))}, or "
+                            f"{_batch_sizes(batch, dp * m)} (multiples of dp × micro-batches "
+                            f"= {dp} × {m})",
+                        )
                     )
                     continue
                 for sched in [options.schedule] if options.schedule else list(SCHEDULES):
@@ -311,10 +343,21 @@ def _enumerate(
                         continue  # one stage: both schedules are the same
                     if sched == "1f1b" and m < pp:
                         # torch's Schedule1F1B needs a micro-batch per stage in flight.
-                        rejected.append(f"1f1b needs micro-batches ≥ stages (m {m} < pp {pp})")
+                        rejected.append(
+                            (
+                                f"1f1b needs micro-batches ≥ stages (m {m} < pp {pp})",
+                                f"--schedule gpipe, or --micro-batches {pp} or more",
+                            )
+                        )
                         continue
                     out.append((pp, dp, m, sched))
     return out, rejected
+
+
+def _batch_sizes(batch: int, step: int) -> str:
+    """'--batch-size 28 or 32': the multiples of ``step`` nearest ``batch``."""
+    lo, hi = batch // step * step, (batch // step + 1) * step
+    return f"--batch-size {lo} or {hi}" if lo else f"--batch-size {hi}"
 
 
 def _bounded(
@@ -472,16 +515,27 @@ def _warnings(best: SearchResult, options: SearchOptions) -> list[str]:
     out = []
     lay = best.layout
     if lay.pp > 1 and lay.micro_batches < lay.pp:
+        m = lay.micro_batches
         out.append(
-            f"{lay.micro_batches} micro-batches for {lay.pp} stages: the pipeline bubble is "
-            f"{best.prediction.bubble_fraction:.0%} of the step; more micro-batches (a larger "
-            "batch) would shrink it"
+            f"{m} micro-batch{'es' if m != 1 else ''} for {lay.pp} stages: the pipeline bubble "
+            f"is {best.prediction.bubble_fraction:.0%} of the step (stages idle while the "
+            f"pipeline fills and drains); at least {lay.pp} micro-batches "
+            f"(--micro-batches {lay.pp}, with a batch divisible by dp × {lay.pp} = "
+            f"{lay.dp * lay.pp}) would shrink it"
         )
-    if best.solution.status != "optimal":
-        gap = f"{best.solution.gap:.2%}" if best.solution.gap is not None else "unknown"
+    sol = best.solution
+    gap = f"{sol.gap:.2%}" if sol.gap is not None else "unknown"
+    if sol.status == "time_limit":
         out.append(
             f"the solver stopped at its time limit ({options.time_limit_s} s) before proving "
-            f"the placement optimal (gap {gap}); raise --time-limit for a proof"
+            f"the placement optimal (gap {gap}: it is at most that much slower than the best); "
+            "raise --time-limit for a proof"
+        )
+    elif sol.status != "optimal":
+        out.append(
+            f"the solver ended without proving the placement optimal ({sol.solver_status}); "
+            f"this is the heuristic's placement, gap {gap}; try --solver "
+            f"{'cbc' if sol.solver == 'highs' else 'highs'}"
         )
     for st in best.prediction.stages:
         if st.memory.total > 0.9 * st.capacity:
@@ -493,14 +547,93 @@ def _warnings(best: SearchResult, options: SearchOptions) -> list[str]:
 
 
 def _nothing_possible(
-    training: Training, cluster: Cluster, options: SearchOptions, rejected: list[str]
+    training: Training, cluster: Cluster, options: SearchOptions, rejected: list[tuple[str, str]]
 ) -> str:
-    lines = "\n".join(f"  {r}" for r in dict.fromkeys(rejected))
+    """What was rejected and why, then the fixes for those reasons."""
+    lines = "\n".join(f"  {why}" for why in dict.fromkeys(why for why, _ in rejected))
+    fixes = list(dict.fromkeys(fix for _, fix in rejected))
+    fix = "; or ".join(fixes) or "unpin --pp/--dp/--micro-batches/--schedule"
     return (
         f"no configuration is possible for batch {training.global_batch} on "
         f"{cluster.n_devices} devices:\n{lines}\n"
-        "Fix: choose a global batch divisible by dp × micro-batches (e.g. a multiple of "
-        f"{cluster.n_devices}), or pin --pp/--dp/--micro-batches to values that divide it."
+        f"Fix: {fix}."
+    )
+
+
+def _nothing_fits(
+    tried: list[tuple[_Config, Candidate]],
+    oom_costs: list[CostModel],
+    cluster: Cluster,
+    training: Training,
+    options: SearchOptions,
+) -> str:
+    """Why every candidate failed: memory per stage against capacity, or the time limit."""
+    failed = [c for _, c in tried if c.status in ("out_of_memory", "timeout")]
+    oom = [c for c in failed if c.status == "out_of_memory"]
+    lines = [
+        f"  pp {c.pp} × dp {c.dp}, {c.micro_batches} micro-batch"
+        f"{'es' if c.micro_batches != 1 else ''} ({c.schedule}), {c.reason}"
+        for c in failed[: options.keep]
+    ]
+    if len(failed) > options.keep:
+        lines.append(f"  (+{len(failed) - options.keep} more)")
+    if not oom:
+        shown = ", ".join(
+            f"pp {c.pp} × dp {c.dp} × m {c.micro_batches} {c.schedule}" for c in failed[:4]
+        )
+        more = f" and {len(failed) - 4} more" if len(failed) > 4 else ""
+        return (
+            f"no placement found in time: for every candidate ({len(failed)}: {shown}{more}) "
+            f"the solver's time limit ({options.time_limit_s} s per solve) ran out before even "
+            "its heuristic found a placement.\n"
+            "Fix: raise --time-limit (default 60 s)."
+        )
+    head = (
+        f"no configuration fits in memory: {len(oom)} of {len(failed)} candidate(s) ran out "
+        f"of memory{', the others out of time' if len(oom) < len(failed) else ''}.\n"
+    )
+    return (
+        head
+        + "\n".join(lines)
+        + "\n"
+        + _memory_summary(oom_costs, cluster, training)
+        + "Fix: more devices or devices with more memory (--gpus, a cluster file), fewer "
+        "samples per micro-batch (more --micro-batches or a smaller --batch-size), "
+        "--precision bf16-mixed, or --optimizer sgd (less state per parameter). "
+        "Activation recompute was already tried for every stage."
+    )
+
+
+def _memory_summary(costs: list[CostModel], cluster: Cluster, training: Training) -> str:
+    """The largest block and the whole model's state, against the devices' memory."""
+    if not costs:
+        return ""
+    # The deepest pipeline with the smallest micro-batches: the most favourable memory.
+    cost = max(costs, key=lambda c: (c.layout.pp, -c.micro_batch_size))
+    s, n = cost.layout.pp - 1, cost.n_blocks
+    names = [b.name for b in cost.profile.blocks]
+
+    def need(i: int, j: int) -> float:
+        return min(cost.memory(s, i, j).total, cost.memory(s, i, j, True).total)
+
+    k = max(range(n), key=lambda i: need(i, i + 1))
+    big = min((cost.memory(s, k, k + 1), cost.memory(s, k, k + 1, True)), key=lambda m: m.total)
+    whole = cost.memory(s, 0, n)
+    state = whole.params + whole.grads + whole.optimizer
+    usable = 1 - training.memory_headroom
+    per_device = sorted({d.device.memory_bytes * usable for d in cluster.devices})
+    device_text = " to ".join(dict.fromkeys(_fmt_bytes(x) for x in (per_device[0], per_device[-1])))
+    total = sum(d.device.memory_bytes for d in cluster.devices) * usable
+    return (
+        f"The largest block is block {k} ({names[k]!r}): alone on a stage it needs "
+        f"{_fmt_bytes(need(k, k + 1))} (parameters, gradients and optimizer state "
+        f"{_fmt_bytes(big.params + big.grads + big.optimizer)}, activations "
+        f"{_fmt_bytes(big.activations)} at {cost.micro_batch_size} sample(s) per micro-batch) "
+        f"against {device_text} usable per device "
+        f"({training.memory_headroom:.0%} kept free).\n"
+        f"All {n} blocks hold {_fmt_bytes(state)} of parameters, gradients and optimizer "
+        f"state ({training.optimizer}, {training.precision}); the {cluster.n_devices} devices "
+        f"hold {_fmt_bytes(total)} usable in all.\n"
     )
 
 

@@ -169,3 +169,12 @@ def test_show_rejects_a_malformed_plan(capsys, tmp_path) -> None:
     rc = main(["show", str(bad)])
     err = capsys.readouterr().err
     assert rc == 1 and "expected" in err
+
+
+def test_plan_refuses_an_unwritable_out_before_profiling(capsys, tmp_path) -> None:
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    rc = main(["plan", str(ROOT / "examples" / "mlp.py"), "--gpus", "2", "--out", str(taken)])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"--out {taken} is a folder" in err and "Traceback" not in err
+    assert not (tmp_path / "cache").exists()  # refused before any profiling

@@ -103,8 +103,10 @@ def _edited(plan: Plan, tmp_path: Path, edit) -> Path:
     [
         (
             lambda d: d.update(version=99),
-            "version 99 is not supported (this planner reads version 1)",
+            "version 99 is not supported (this planner reads versions 1 and 2",
         ),
+        (lambda d: d.pop("version"), "no version is not supported"),
+        (lambda d: d["solver"].update(solve_s=0.5), "solver: unknown key(s) solve_s"),
         (lambda d: d["layout"].update(pp="two"), "layout.pp: expected an integer, got str"),
         (lambda d: d["stages"][1].pop("ranks"), "stages[1].ranks: missing"),
         (
@@ -122,6 +124,31 @@ def test_malformed_plans_name_the_key_path(plan, tmp_path, edit, message) -> Non
     with pytest.raises(PlanError) as err:
         load_plan(_edited(plan, tmp_path, edit))
     assert message in str(err.value)
+
+
+def test_version_1_files_still_load(plan: Plan, tmp_path: Path) -> None:
+    # Version 1 also recorded the solve's wall time; it is read, and not written again.
+    data = plan.to_dict()
+    data["version"] = 1
+    data["solver"]["solve_s"] = 0.25
+    old = tmp_path / "v1.yaml"
+    old.write_text(yaml.safe_dump(data, sort_keys=False))
+    loaded = load_plan(old)
+    assert loaded.version == 1 and loaded.solver.solve_s == 0.25
+    assert [s.blocks for s in loaded.stages] == [s.blocks for s in plan.stages]
+    again = yaml.safe_load(save_plan(loaded, tmp_path / "v2.yaml").read_text())
+    assert again["version"] == 2 and "solve_s" not in again["solver"]
+    del data["solver"]["solve_s"]  # a version 1 file must have it
+    old.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(PlanError, match=r"solver\.solve_s: missing \(expected a number\)"):
+        load_plan(old)
+
+
+def test_the_plan_file_holds_no_wall_clock_time(plan: Plan, tmp_path: Path) -> None:
+    assert plan.solver.solve_s is not None  # known to this run's report ...
+    text = save_plan(plan, tmp_path / "plan.yaml").read_text()
+    assert "solve_s" not in text  # ... never saved
+    assert load_plan(tmp_path / "plan.yaml").solver.solve_s is None
 
 
 def test_unsafe_yaml_tags_are_rejected(tmp_path: Path) -> None:
@@ -143,3 +170,17 @@ def test_same_inputs_give_the_same_placement() -> None:
     a, b = _plan(pp=2), _plan(pp=2)
     assert [s.blocks for s in a.stages] == [s.blocks for s in b.stages]
     assert a.micro_batches == b.micro_batches and a.schedule == b.schedule
+
+
+def test_same_inputs_give_byte_identical_files(tmp_path: Path) -> None:
+    # [Note: reproducible plan files]; the search is free here (pp unpinned).
+    first = save_plan(_plan(), tmp_path / "a.yaml").read_bytes()
+    second = save_plan(_plan(), tmp_path / "b.yaml").read_bytes()
+    assert first == second
+
+
+def test_save_failure_is_a_plan_error_and_leaves_nothing(plan: Plan, tmp_path: Path) -> None:
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(PlanError, match=r"cannot write the plan to .*taken.*choose another --out"):
+        save_plan(plan, tmp_path / "taken")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no temporary file left

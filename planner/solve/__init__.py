@@ -64,7 +64,7 @@ from collections.abc import Sequence
 from planner.solve import prune as _pruning
 from planner.solve.costs import _Costs, _step_time, evaluate
 from planner.solve.exact import exact_partition
-from planner.solve.feasible import _check_feasible, _heuristic, heuristic_partition
+from planner.solve.feasible import _check_feasible, _heuristic, _tie_break, heuristic_partition
 from planner.solve.ilp import (
     _MIP_REL_GAP,
     SOLVERS,
@@ -94,6 +94,7 @@ __all__ = [
     "PartitionSolution",
     "PartitionTimeout",
     "SolverUnavailable",
+    "check_solver",
     "evaluate",
     "exact_partition",
     "heuristic_partition",
@@ -116,6 +117,20 @@ def _prune(c: _Costs, U: float, incumbent: Sequence[int], deadline: float = math
     [Note: patchable solver knobs].
     """
     return _pruning._prune(c, U, incumbent, deadline, rounds=_ROUNDS)
+
+
+def check_solver(solver: str) -> str:
+    """Which solver ``solver`` means here: "highs" or "cbc"; fails when it is not installed.
+
+    Example::
+
+        check_solver("auto")    # "highs" when highspy is installed, else "cbc"
+
+    Raises:
+        ValueError: an unknown solver name.
+        SolverUnavailable: the solver is not installed; the message says how to install it.
+    """
+    return _pick_solver(solver)
 
 
 def solve_partition(
@@ -148,7 +163,9 @@ def solve_partition(
             across concurrent solves.)
 
     Returns:
-        A PartitionSolution; ``status`` says whether it is proven optimal.
+        A PartitionSolution; ``status`` says whether it is proven optimal. Among
+        placements of the same step time, the one with the earliest split points
+        (see [Note: tie-breaking] in :mod:`planner.solve.feasible`).
 
     Raises:
         PartitionInfeasible: no placement fits memory or split points (the
@@ -203,6 +220,7 @@ def solve_partition(
     def result(
         idx: Sequence[int], status: Status, bound: float | None, detail: str
     ) -> PartitionSolution:
+        idx = _tie_break(c, list(idx))  # one answer among equal optima: [Note: tie-breaking]
         works, cuts, syncs = c.values(idx)
         T = _step_time(c.m, works, cuts, syncs)
         bound = segs.root if bound is None else max(bound, segs.root)
@@ -247,9 +265,13 @@ def solve_partition(
     unproven: Status = "time_limit" if outcome.limited else "heuristic"
     if path is None or c.objective(path) > U + _TOL * max(1.0, abs(U)):
         if not outcome.limited:
+            # PuLP does not raise on an infeasible, unbounded or undefined model: its
+            # status was checked in _run_highs / _run_cbc, and no path means no answer.
             log.warning(
-                "partition: %s, but no placement better than the incumbent came back; "
-                "keeping the incumbent, not proven optimal by the solver",
+                "partition: %s, but no placement better than the incumbent came back "
+                "(the incumbent meets every constraint: one contiguous run of blocks per "
+                "stage, legal split points, memory per stage); keeping it, not proven "
+                "optimal by the solver",
                 outcome.detail,
             )
         bound = None if outcome.proven else outcome.bound  # a proof that missed is no proof

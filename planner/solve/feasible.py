@@ -40,11 +40,11 @@ def _check_feasible(c: _Costs) -> None:
         if p.allowed_starts is None:
             raise PartitionInfeasible(
                 f"{S} stages need {S - 1} split points but {p.n_blocks} blocks have only "
-                f"{p.n_blocks - 1}: use at most {p.n_blocks} stages, or finer blocks"
+                f"{p.n_blocks - 1}.\n  fix: use at most {p.n_blocks} stages, or finer blocks"
             )
         raise PartitionInfeasible(
             f"stage {K} has no legal start: {S} stages need {S - 1} split points, "
-            f"{K - 1} allowed; use at most {K} stages, or allow more split points"
+            f"{K - 1} allowed.\n  fix: use at most {K} stages, or allow more split points"
         )
     for a in range(K):  # each run between legal split points must fit some stage
         stages = range(max(0, a - (K - S)), min(a, S - 1) + 1)
@@ -56,31 +56,77 @@ def _check_feasible(c: _Costs) -> None:
             what += " (no legal split point between them)"
         raise PartitionInfeasible(
             f"no stage can hold {what} within {_fmt_bytes(max(c.cap[t] for t in stages))}: "
-            f"it needs {_fmt_bytes(need)} on stage {s} (capacity {_fmt_bytes(c.cap[s])}). "
-            "Recompute activations, use fewer samples per micro-batch, split the block, "
+            f"it needs {_fmt_bytes(need)} on stage {s} (capacity {_fmt_bytes(c.cap[s])}).\n"
+            "  fix: recompute activations, use fewer samples per micro-batch, split the block, "
             "or give the stage a device with more memory"
         )
     R, last = _reach(c, math.inf)
     if last is not None:
         return
     s = len(R) - 1
+    if S == 1:
+        raise PartitionInfeasible(
+            f"the blocks do not fit in the memory of one stage: "
+            f"{p.block_label(0, p.n_blocks)} need {_fmt_bytes(c.mem(0, 0, K))} against "
+            f"{_fmt_bytes(c.cap[0])}.\n  fix: use more stages or larger devices, recompute "
+            "activations, or fewer samples per micro-batch"
+        )
     if R[-1]:  # the last stage cannot take what the others leave
         a = R[-1][-1]
         need, cap = c.mem(S - 1, a, K), c.cap[S - 1]
         raise PartitionInfeasible(
             f"the blocks do not fit in the memory of {S} stages: filling stages 0..{S - 2} "
             f"as far as memory allows leaves {p.block_label(c.pos[a], p.n_blocks)} for "
-            f"stage {S - 1}, needing {_fmt_bytes(need)} against {_fmt_bytes(cap)}. "
-            "Use more stages or larger devices, recompute activations, or fewer samples "
+            f"stage {S - 1}, needing {_fmt_bytes(need)} against {_fmt_bytes(cap)}.\n"
+            "  fix: use more stages or larger devices, recompute activations, or fewer samples "
             "per micro-batch"
         )
     need = min(c.mem(s - 1, a, a + 1) for a in R[s - 1])
     raise PartitionInfeasible(
         f"the blocks do not fit in the memory of {S} stages: stage {s - 1} "
         f"({_fmt_bytes(c.cap[s - 1])}) cannot hold any run of blocks where stages "
-        f"0..{s - 2} can end (the smallest needs {_fmt_bytes(need)}). Use larger devices "
-        "for it, recompute activations, or fewer samples per micro-batch"
+        f"0..{s - 2} can end (the smallest needs {_fmt_bytes(need)}).\n  fix: use larger "
+        "devices for it, recompute activations, or fewer samples per micro-batch"
     )
+
+
+# ---------------------------------------------------------------- ties
+
+_TIE = 1e-12  # relative: step times this close are equal (float sums in another order)
+
+
+def _tie_break(c: _Costs, idx: list[int]) -> list[int]:
+    """The placement with the earliest split points among those of the same step time.
+
+    [Note: tie-breaking] Equal-cost placements are common: a block that costs nothing
+    (a ReLU at a stage boundary) can go either side, and with one micro-batch the step
+    time is a plain sum, so any boundary between equal-cost neighbours is optimal.
+    Which one a solve finds depends on its route (the heuristic, the pruning's sweeps,
+    the ILP), so every answer is brought to one form: each split point, first to last
+    and again until none moves, steps to an earlier legal position while the step time
+    stays within ``_TIE`` of the original (sums in another order differ in the last
+    bits) and both stages it touches fit in memory. The last placement of that walk
+    whose step time is not above the original's, bit for bit, is the answer.
+    """
+    start = c.objective(idx)
+    limit = start * (1 + _TIE)
+    walk, answer = list(idx), list(idx)
+    moved = True
+    while moved:
+        moved = False
+        for k in range(1, c.S):
+            while walk[k] - 1 > walk[k - 1]:
+                trial = [*walk[:k], walk[k] - 1, *walk[k + 1 :]]
+                if (
+                    c.mem(k - 1, trial[k - 1], trial[k]) > c.cap[k - 1]
+                    or c.mem(k, trial[k], trial[k + 1]) > c.cap[k]
+                    or c.objective(trial) > limit
+                ):
+                    break
+                walk, moved = trial, True
+                if c.objective(walk) <= start:
+                    answer = walk
+    return answer
 
 
 # ---------------------------------------------------------------- heuristic

@@ -151,9 +151,11 @@ def _cbc(**kw: object) -> pulp.LpSolver:
             if solver.available():
                 return solver
     raise SolverUnavailable(
-        "CBC is not available to PuLP: PuLP ≤ 3 bundles it; otherwise install it "
-        "(`pip install 'pulp[cbc]'`, or the coinor-cbc OS package), or use solver='highs' "
-        "(`pip install highspy`)"
+        "the ILP solver CBC is not available to PuLP (PuLP ≤ 3 bundles it; this PuLP does "
+        "not, and no `cbc` is on the PATH).\n"
+        "  why: the planner places blocks on stages by solving an ILP.\n"
+        "  fix: install it (`pip install 'pulp[cbc]'`, or the coinor-cbc OS package), or use "
+        "HiGHS instead (`pip install highspy`, then `--solver highs`)"
     )
 
 
@@ -199,13 +201,22 @@ def _run_cbc(prob: pulp.LpProblem, time_limit: float | None, threads: int | None
 
 
 def _pick_solver(name: str) -> str:
+    """The solver to run for ``name`` ("auto": HiGHS when installed, else CBC).
+
+    Raises:
+        ValueError: an unknown name.
+        SolverUnavailable: the solver is not installed (with the install command).
+    """
     if name not in SOLVERS:
         raise ValueError(f"solver must be one of {', '.join(map(repr, SOLVERS))} (got {name!r})")
     highs = pulp.HiGHS(msg=False).available()
     if name == "highs" and not highs:
         raise SolverUnavailable(
-            "HiGHS is not available to PuLP: install it with `pip install highspy`, "
-            "or pass solver='cbc' (CBC ships with PuLP)"
+            "the ILP solver HiGHS is not available to PuLP (its Python package highspy is "
+            "missing or broken).\n"
+            "  why: the planner places blocks on stages by solving an ILP, with HiGHS by default.\n"
+            "  fix: install it (`pip install highspy`), or use CBC instead "
+            "(`--solver cbc`, solver='cbc' from Python), which PuLP ≤ 3 bundles"
         )
     if name == "cbc" or (name == "auto" and not highs):
         _cbc(msg=False)  # raises SolverUnavailable with the install hint
