@@ -188,7 +188,7 @@ def _from_rank0(resolve: Callable[[], Plan]) -> Plan:
             box[0] = ("error", f"{type(exc).__name__}: {exc}")
     dist.broadcast_object_list(box, src=0, group=group)
     # The group is kept (``ParallelModel.close`` tears down every group): destroying a gloo
-    # group right after a collective can deadlock (runtime/launch.py, [Note: a bounded exit]).
+    # group right after a collective can deadlock (runtime/worker.py, [Note: a bounded exit]).
     kind, payload = box[0]
     if kind == "error":  # the same message on every rank; rank 0 chains its own exception
         raise ValueError(f"planning on rank 0 failed: {payload}") from failure

@@ -1,8 +1,8 @@
-"""``python -m runtime model.py --plan plan.yaml``: one worker of a plan (see runtime.launch)."""
+"""``python -m runtime model.py --plan plan.yaml``: one worker of a plan (see runtime.worker)."""
 
 import sys
 
-from runtime.launch import main
+from runtime.worker import main
 
 if __name__ == "__main__":
     sys.exit(main())

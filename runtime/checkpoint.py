@@ -21,13 +21,21 @@ several ranks, e.g. a stage's weights in every replica, is written once):
 
 Only a folder with a ``COMPLETE`` marker is a checkpoint: a save that crashed
 leaves no marker and :func:`latest_complete` skips it (reliability item 25).
-The marker records the model's fingerprint and the layout (pp, dp, world size,
-split points, ranks); :func:`load` refuses a checkpoint of another layout
-unless asked to reshard, and one of another model always (item 26).
+The marker also records the size of every file of the folder, so a file cut
+short afterwards (a full disk, a copy that stopped half-way) is found too; a
+checkpoint with a missing or short file is skipped the same way, with a
+warning that names the folder and the file. The marker records the model's
+fingerprint and the layout (pp, dp, world size, split points, ranks);
+:func:`load` refuses a checkpoint of another layout unless asked to reshard,
+and one of another model always (item 26).
 
 Checkpoints are trusted inputs (like the model file), but nothing here unpickles
-arbitrary objects: the few non-tensor values (optimizer hyper-parameters) are
-read with ``torch.load(weights_only=True)`` (item 27).
+arbitrary objects (item 27): tensors and the few non-tensor values (optimizer
+hyper-parameters) are read with ``torch.load(weights_only=True)``, and DCP's
+index (``.metadata``, a plain pickle that DCP itself reads with ``pickle.load``)
+through an unpickler that accepts DCP's own metadata classes and nothing else
+(``runtime.safeload``). A checkpoint holding any other pickled object is
+refused, before it can run.
 """
 
 # [Note: exact resume]
@@ -48,7 +56,6 @@ read with ``torch.load(weights_only=True)`` (item 27).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -61,13 +68,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
+)
+
+from runtime.safeload import (
+    METADATA,
+    Refused,
+    SafeLoadPlanner,
+    SafeReader,
+    read_metadata,
+    refusal,
+    refused_message,
 )
 
 if TYPE_CHECKING:
@@ -77,7 +92,9 @@ if TYPE_CHECKING:
 __all__ = [
     "COMPLETE",
     "FORMAT",
+    "METADATA",
     "checkpoint_path",
+    "incomplete_reason",
     "latest_complete",
     "load",
     "read_marker",
@@ -91,8 +108,8 @@ log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
 """The completion marker's file name inside a checkpoint folder."""
 
-FORMAT = 1
-"""Version of the layout above, recorded in the marker."""
+FORMAT = 2
+"""Version of the layout above, recorded in the marker (2: with the files' sizes)."""
 
 _NAME = re.compile(r"step-(\d{8,})")
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -111,26 +128,68 @@ def read_marker(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``COMPLETE`` marker of checkpoint folder ``path``.
 
     Raises:
-        ValueError: there is no marker (the save did not finish) or it is not
+        ValueError: there is no marker (the save did not finish), or it is not
             a marker this runtime wrote.
     """
+    data, reason = _load_marker(path)
+    if data is None:
+        raise ValueError(
+            f"checkpoint {path} is not complete: {reason}.\n  fix: resume from "
+            "latest_complete(directory), which skips incomplete checkpoints"
+        )
+    return data
+
+
+def incomplete_reason(path: str | os.PathLike[str], step: int | None = None) -> str | None:
+    """Why checkpoint folder ``path`` is not a complete checkpoint; None when it is one.
+
+    Example::
+
+        incomplete_reason("ckpt/step-00000400")
+        # '__1_0.distcp has 100 bytes, its save wrote 20544 (cut short, or ...)'
+
+    Complete: a valid ``COMPLETE`` marker (of ``step``, when given) and every
+    file the marker lists, of the size it records (DCP's ``.metadata`` among
+    them). No communication, and nothing is unpickled.
+    """
+    path = Path(path)
+    marker, reason = _load_marker(path)
+    if marker is None:
+        return reason
+    if step is not None and marker.get("step") != step:
+        return f"its {COMPLETE} marker is of step {marker.get('step')}, not {step}"
+    files = marker.get("files")
+    if not isinstance(files, dict) or METADATA not in files:
+        return f"its {COMPLETE} marker lists no files (or not DCP's {METADATA})"
+    for name, size in sorted(files.items()):
+        try:
+            have = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing (the {COMPLETE} marker lists it)"
+        if have != size:
+            return (
+                f"{name} has {have} bytes, its save wrote {size} (cut short, or overwritten "
+                "after the save)"
+            )
+    return None
+
+
+def _load_marker(path: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, str]:
+    """(the marker, "") or (None, why there is no valid one)."""
     marker = Path(path) / COMPLETE
     try:
         data = json.loads(marker.read_text())
     except FileNotFoundError:
-        raise ValueError(
-            f"{path} is not a complete checkpoint: it has no {COMPLETE} marker (its save "
-            "was interrupted, or it is not a checkpoint folder).\n  fix: resume from "
-            "latest_complete(directory), which skips incomplete checkpoints"
-        ) from None
+        return None, f"it has no {COMPLETE} marker (its save did not finish)"
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{marker} is unreadable ({exc}); delete the folder {path}") from exc
+        return None, f"its {COMPLETE} marker is unreadable ({exc})"
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(
-            f"{marker} is not a checkpoint marker of format {FORMAT} (got "
-            f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r})"
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        return None, (
+            f"its {COMPLETE} marker is not of format {FORMAT} (got {got!r}): not saved by "
+            "this version of the runtime"
         )
-    return data
+    return data, ""
 
 
 def latest_complete(directory: str | os.PathLike[str]) -> Path | None:
@@ -141,9 +200,10 @@ def latest_complete(directory: str | os.PathLike[str]) -> Path | None:
         path = latest_complete("ckpt")       # e.g. ckpt/step-00000400
         start = load(pmodel, path) if path else 0
 
-    A ``step-N`` folder without a valid ``COMPLETE`` marker (a save that
-    crashed) is skipped with a warning naming it, once per folder. No
-    communication: every rank may call it (on a shared file system they agree).
+    A ``step-N`` folder that is not complete (see :func:`incomplete_reason`: a
+    save that crashed, a file cut short) is skipped with a warning naming it
+    and why, once per folder. No communication: every rank may call it (on a
+    shared file system they agree).
     """
     root = Path(directory)
     if not root.is_dir():
@@ -154,20 +214,13 @@ def latest_complete(directory: str | os.PathLike[str]) -> Path | None:
         if m and p.is_dir():
             found.append((int(m.group(1)), p))
     for step, p in sorted(found, reverse=True):
-        try:
-            marker = read_marker(p)
-            ok = marker.get("step") == step and (p / ".metadata").is_file()
-        except ValueError:
-            ok = False
-        if ok:
+        reason = incomplete_reason(p, step)
+        if reason is None:
             return p
         if str(p) not in _warned:
             _warned.add(str(p))
             log.warning(
-                "skipping incomplete checkpoint %s: no valid %s marker or DCP metadata "
-                "(a save was interrupted); resuming from an earlier one",
-                p,
-                COMPLETE,
+                "skipping incomplete checkpoint %s: %s; looking for an earlier one", p, reason
             )
     return None
 
@@ -202,7 +255,9 @@ def save(pmodel: ParallelModel, directory: str | os.PathLike[str], step: int) ->
     dcp.save(_state(pmodel, step), checkpoint_id=path)
     _barrier(pmodel)  # every rank's files are written
     if rank == 0:
-        _write_marker(path, _marker(pmodel.plan, dist.get_world_size(), step))
+        marker = _marker(pmodel.plan, dist.get_world_size(), step)
+        marker["files"] = _file_sizes(path)
+        _write_marker(path, marker)
     _barrier(pmodel)
     log.info(
         "%s checkpoint %s saved in %.2f s", pmodel.mesh.prefix, path, time.perf_counter() - started
@@ -246,6 +301,15 @@ def _marker(plan: Plan, world_size: int, step: int) -> dict[str, Any]:
         "model_file": str(plan.model.get("file") or ""),
         "torch": torch.__version__,
         "saved_unix_s": round(time.time(), 3),
+    }
+
+
+def _file_sizes(path: Path) -> dict[str, int]:
+    """Every file of a checkpoint folder but the marker (and its temporaries): name → bytes."""
+    return {
+        p.name: p.stat().st_size
+        for p in sorted(path.iterdir())
+        if p.is_file() and p.name != COMPLETE and not p.name.startswith(f".{COMPLETE}.")
     }
 
 
@@ -306,6 +370,12 @@ def load(pmodel: ParallelModel, path: str | os.PathLike[str], *, reshard: bool =
             Raised on every rank with the same message, before anything is read.
     """
     path = Path(path)
+    reason = incomplete_reason(path)
+    if reason is not None:
+        raise ValueError(
+            f"checkpoint {path} is not complete: {reason}.\n  fix: resume from "
+            "latest_complete(directory), which skips incomplete checkpoints"
+        )
     marker = read_marker(path)
     plan = pmodel.plan
     world = dist.get_world_size()
@@ -326,12 +396,19 @@ def load(pmodel: ParallelModel, path: str | os.PathLike[str], *, reshard: bool =
             "weights and optimizer state, not RNG streams); or start fresh with another "
             "checkpoint directory"
         )
+    try:
+        metadata = read_metadata(path)
+    except Refused as exc:
+        raise ValueError(refused_message(path, str(exc))) from None
     state = _state(pmodel, 0)
     if differ:
         del state["rng"]
     try:
-        dcp.load(state, checkpoint_id=path, planner=_SafeLoadPlanner())
-    except Exception as exc:
+        dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        refused = refusal(exc)
+        if refused is not None:
+            raise ValueError(refused_message(path, refused)) from exc
         if not differ:
             raise
         raise ValueError(
@@ -375,23 +452,6 @@ def _layout_differences(marker: dict[str, Any], plan: Plan, world: int) -> list[
         "ranks": marker.get("ranks"),
     }
     return [f"{k} {then[k]} in the checkpoint, {v} now" for k, v in now.items() if then[k] != v]
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, reading non-tensor values with ``weights_only=True``.
-
-    DCP stores non-tensor values (here: optimizer hyper-parameters such as
-    ``lr`` and ``betas``) with ``torch.save`` and its default planner reads them
-    back with ``torch.load(weights_only=False)``, a full unpickler; plain
-    numbers, strings, tuples, lists and dicts need no more than the safe one.
-    """
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 # --------------------------------------------------------------------------- seeding

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -266,7 +265,7 @@ def init_mesh(
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT when the
     default group is not yet initialized. A one-process plan also runs without
-    torchrun (a local TCP store on a free port).
+    torchrun (an in-process store).
 
     Args:
         backend: "nccl" or "gloo"; default :func:`default_backend`.
@@ -288,14 +287,20 @@ def init_mesh(
             torch.cuda.set_device(device)
         timeout = timedelta(seconds=timeout_s)
         if "MASTER_ADDR" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            dist.init_process_group(backend, timeout=timeout)  # env:// (torchrun's variables)
-        else:  # one process, no torchrun (check_world made sure the plan wants one)
+            store = _loopback_store(timeout_s)
+            if store is None:  # env:// (torchrun's variables), torch's own store
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                dist.init_process_group(
+                    backend,
+                    store=store,
+                    rank=int(os.environ["RANK"]),
+                    world_size=int(os.environ["WORLD_SIZE"]),
+                    timeout=timeout,
+                )
+        else:  # one process without torchrun (check_world: the plan wants one)
             dist.init_process_group(
-                backend,
-                init_method=f"tcp://127.0.0.1:{_free_port()}",
-                rank=0,
-                world_size=1,
-                timeout=timeout,
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
         owns = True
     else:
@@ -326,7 +331,28 @@ def init_mesh(
     return mesh
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _loopback_store(timeout_s: float) -> dist.Store | None:
+    """The default group's store, listening on MASTER_ADDR only when that is a loopback address.
+
+    What ``init_process_group``'s ``env://`` would build (rank 0 hosts a
+    TCPStore, the others connect; keys under the prefix "default_pg"), except
+    that rank 0's server socket is bound to the loopback address rather than to
+    every interface ([Note: a local run listens on loopback only] in
+    ``runtime.rendezvous``). None when MASTER_ADDR is not a loopback address
+    (a multi-machine run) or torchrun's agent hosts the store itself.
+    """
+    from runtime.rendezvous import is_loopback, listening_store
+
+    addr = os.environ.get("MASTER_ADDR", "")
+    if not is_loopback(addr) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    port = int(os.environ["MASTER_PORT"])
+    store: dist.Store
+    if rank == 0:
+        store = listening_store(
+            addr, port, world_size=world, timeout_s=timeout_s, multi_tenant=True
+        )
+    else:
+        store = dist.TCPStore(addr, port, world, False, timedelta(seconds=timeout_s))
+    return dist.PrefixStore("default_pg", store)

@@ -4,24 +4,33 @@ Two 2-process worlds (pp = 2, gloo on CPU), run one after the other as two
 separate jobs, so the resume happens in new processes with a new process group:
 
 * job A trains a model with dropout 4 steps straight (the reference); then a
-  second copy 2 steps, saves (step 2), 1 more step, saves (step 3), and the
-  step-3 checkpoint is then broken as a crash mid-save would leave it;
+  second copy 2 steps, saves (step 2), and saves again after steps 3 and 4;
+  the step-3 checkpoint is then broken as a crash mid-save leaves it (no
+  ``COMPLETE`` marker, a data file cut short) and the step-4 one as a disk
+  that filled up after the save would (marker present, a data file cut
+  short). It also saves a copy of step 2 with a pickled object (one that
+  would create a file when unpickled) in place of an optimizer value;
 * job B (other initial weights) resumes from the latest complete checkpoint,
-  which must be step 2 (step 3 is skipped with a warning), trains steps 3 and
-  4, and must end bit-identical to the reference: weights, Adam's state and
-  the losses. Dropout stays on: each rank's RNG is seeded per (stage,
-  replica, step) by ``seed_step`` (reliability item 23), so the masks of
-  steps 3 and 4 do not depend on what ran before.
+  which must be step 2 (steps 4 and 3 are skipped, with one warning each that
+  names the folder and why), trains steps 3 and 4, and must end bit-identical
+  to the reference: weights, Adam's state and the losses. Dropout stays on:
+  each rank's RNG is seeded per (stage, replica, step) by ``seed_step``
+  (reliability item 23), so the masks of steps 3 and 4 do not depend on what
+  ran before.
 
 Job B also checks the refusals, on both ranks with the same message: a plan
 of another layout (pp 1 × dp 2), unless ``reshard=True`` (which loads the
-step-2 weights into that layout by name), and a checkpoint of another model.
+step-2 weights into that layout by name); a checkpoint of another model; an
+incomplete one named explicitly; and checkpoints holding pickled objects, in
+an optimizer value or in DCP's index (reliability item 27), which must not run.
 """
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -109,6 +118,38 @@ def _train(pm: Any, steps: range) -> list[float]:
     return losses
 
 
+class Planted:
+    """A pickled object that, unpickled by a full unpickler, creates the file ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (builtins.exec, (f"open({self.path!r}, 'w').close()",))
+
+
+def _save_planted(pm: Any, directory: str, step: int, path: str) -> None:
+    """``save``, with rank 1's first optimizer hyper-parameter replaced by a ``Planted``."""
+    import torch.distributed as dist
+
+    from runtime import checkpoint
+
+    real = checkpoint._state
+
+    def planted(pmodel: Any, at: int) -> dict[str, Any]:
+        state = real(pmodel, at)
+        if dist.get_rank() == 1:
+            key = next(k for k in state["optim"] if k.startswith("param_groups."))
+            state["optim"][key] = Planted(path)
+        return state
+
+    checkpoint._state = planted
+    try:
+        checkpoint.save(pm, directory, step)
+    finally:
+        checkpoint._state = real
+
+
 def _snapshot(pm: Any) -> dict[str, Any]:
     return {
         "weights": {k: v.detach().clone() for k, v in pm.stage_state_dict().items()},
@@ -119,7 +160,7 @@ def _snapshot(pm: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the jobs
 
 
-def _job_a(plan_path: str, ckpt: str) -> dict[str, Any]:
+def _job_a(plan_path: str, ckpt: str, planted_dir: str, planted_file: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from runtime.checkpoint import checkpoint_path, save
@@ -130,19 +171,24 @@ def _job_a(plan_path: str, ckpt: str) -> dict[str, Any]:
     _train(pm, range(2))
     save(pm, ckpt, 2)
     out["step2_weights"] = _snapshot(pm)["weights"]
-    _train(pm, range(2, 3))
-    save(pm, ckpt, 3)
-    if dist.get_rank() == 0:  # what a crash during the step-3 save leaves behind
-        broken = checkpoint_path(ckpt, 3)
-        (broken / "COMPLETE").unlink()
-        part = next(broken.glob("*.distcp"))
+    _save_planted(pm, planted_dir, 2, planted_file)
+    for step in (2, 3):
+        _train(pm, range(step, step + 1))
+        save(pm, ckpt, step + 1)
+    if dist.get_rank() == 0:
+        crashed = checkpoint_path(ckpt, 3)  # what a crash during the save leaves behind
+        (crashed / "COMPLETE").unlink()
+        part = crashed / "__1_0.distcp"
         part.write_bytes(part.read_bytes()[:100])
+        cut = checkpoint_path(ckpt, 4) / "__1_0.distcp"  # a file cut short after the save
+        out["cut_size"] = cut.stat().st_size
+        cut.write_bytes(cut.read_bytes()[:100])
     dist.barrier()
     return out
 
 
-def _job_b(plan_path: str, other_plan_path: str, ckpt: str, alien: str) -> dict[str, Any]:
-    from runtime.checkpoint import latest_complete, load
+def _job_b(plan_path: str, other_plan_path: str, ckpt: str, bad: dict[str, str]) -> dict[str, Any]:
+    from runtime.checkpoint import checkpoint_path, latest_complete, load
 
     seen: list[str] = []
 
@@ -158,18 +204,21 @@ def _job_b(plan_path: str, other_plan_path: str, ckpt: str, alien: str) -> dict[
     latest_complete(ckpt)  # a second look does not warn again
     out["path"] = path.name
     out["warnings"] = list(seen)
-    for name, target, kwargs in [
-        ("other_layout", other, {}),
-        ("alien", other, {"reshard": True}),
+    pm = _build(plan_path, seed=1)  # other initial weights: the checkpoint must overwrite them
+    for name, target, where, kwargs in [
+        ("other_layout", other, path, {}),
+        ("alien", other, bad["alien"], {"reshard": True}),
+        ("incomplete", pm, checkpoint_path(ckpt, 4), {}),
+        ("planted_entry", pm, bad["planted_entry"], {}),
+        ("planted_index", pm, bad["planted_index"], {}),
     ]:
         try:
-            load(target, alien if name == "alien" else path, **kwargs)
+            load(target, where, **kwargs)
             out[name] = "not refused"
         except ValueError as exc:
             out[name] = str(exc)
     out["reshard_step"] = load(other, path, reshard=True)
     out["reshard_weights"] = {k: v.clone() for k, v in other.stage_state_dict().items()}
-    pm = _build(plan_path, seed=1)  # other initial weights: the checkpoint must overwrite them
     out["step"] = load(pm, path)
     out["losses"] = _train(pm, range(out["step"], 4))
     out.update(_snapshot(pm))
@@ -187,14 +236,31 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         pp2 = str(save_plan(_plan(2, 1), tmp / "pp2.yaml"))
         dp2 = str(save_plan(_plan(1, 2), tmp / "dp2.yaml"))
     ckpt = tmp / "checkpoints"
-    a = run_world(_job_a, 2, args=(pp2, str(ckpt)), timeout_s=TIMEOUT_S)
-    alien = tmp / "alien" / "step-00000002"  # the step-2 checkpoint, of "another model"
-    shutil.copytree(ckpt / "step-00000002", alien)
-    marker = json.loads((alien / "COMPLETE").read_text())
-    marker["fingerprint"] = "0123456789abcdef"
-    (alien / "COMPLETE").write_text(json.dumps(marker))
-    b = run_world(_job_b, 2, args=(pp2, dp2, str(ckpt), str(alien)), timeout_s=TIMEOUT_S)
-    return {"a": a, "b": b, "ckpt": ckpt}
+    ran = tmp / "planted-code-ran"  # what the planted objects would create, if unpickled
+    a = run_world(
+        _job_a, 2, args=(pp2, str(ckpt), str(tmp / "planted"), str(ran)), timeout_s=TIMEOUT_S
+    )
+    bad = {
+        "alien": tmp / "alien" / "step-00000002",  # the step-2 checkpoint, of "another model"
+        "planted_entry": tmp / "planted" / "step-00000002",
+        "planted_index": tmp / "planted-index" / "step-00000002",
+    }
+    shutil.copytree(ckpt / "step-00000002", bad["alien"])
+    _edit_marker(bad["alien"], fingerprint="0123456789abcdef")
+    shutil.copytree(ckpt / "step-00000002", bad["planted_index"])
+    (bad["planted_index"] / ".metadata").write_bytes(pickle.dumps(Planted(str(ran))))
+    _edit_marker(bad["planted_index"])
+    args = (pp2, dp2, str(ckpt), {k: str(v) for k, v in bad.items()})
+    b = run_world(_job_b, 2, args=args, timeout_s=TIMEOUT_S)
+    return {"a": a, "b": b, "ckpt": ckpt, "ran": ran}
+
+
+def _edit_marker(path: Path, **changes: Any) -> None:
+    """Change a checkpoint's COMPLETE marker, its files' sizes recounted (a valid marker)."""
+    marker = json.loads((path / "COMPLETE").read_text())
+    marker.update(changes)
+    marker["files"] = {name: (path / name).stat().st_size for name in marker["files"]}
+    (path / "COMPLETE").write_text(json.dumps(marker))
 
 
 # --------------------------------------------------------------------------- tests
@@ -216,16 +282,46 @@ def test_resume_in_a_new_process_group_is_exact(jobs: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
-def test_an_incomplete_checkpoint_is_skipped_with_one_warning(jobs: dict[str, Any]) -> None:
+def test_incomplete_checkpoints_are_skipped_with_one_warning_each(jobs: dict[str, Any]) -> None:
     ckpt: Path = jobs["ckpt"]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003"]
+    names = ["step-00000002", "step-00000003", "step-00000004"]
+    assert sorted(p.name for p in ckpt.iterdir()) == names
     marker = json.loads((ckpt / "step-00000002" / "COMPLETE").read_text())
     assert (marker["step"], marker["pp"], marker["dp"], marker["world_size"]) == (2, 2, 1, 2)
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(marker["files"])
+    cut = jobs["a"][0]["cut_size"]
     for b in jobs["b"]:
         assert b["path"] == "step-00000002"
-        (warning,) = b["warnings"]
-        assert "skipping incomplete checkpoint" in warning
-        assert str(ckpt / "step-00000003") in warning
+        newest, crashed = b["warnings"]  # one each, newest first; the second look added none
+        assert newest == (
+            f"skipping incomplete checkpoint {ckpt / 'step-00000004'}: __1_0.distcp has 100 "
+            f"bytes, its save wrote {cut} (cut short, or overwritten after the save); looking "
+            "for an earlier one"
+        )
+        assert crashed == (
+            f"skipping incomplete checkpoint {ckpt / 'step-00000003'}: it has no COMPLETE "
+            "marker (its save did not finish); looking for an earlier one"
+        )
+        assert b["incomplete"].startswith(
+            f"checkpoint {ckpt / 'step-00000004'} is not complete: __1_0.distcp has 100 bytes"
+        ), b["incomplete"]
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_a_checkpoint_holding_a_pickled_object_is_refused_and_nothing_runs(
+    jobs: dict[str, Any],
+) -> None:
+    b0, b1 = jobs["b"]
+    assert not jobs["ran"].exists()  # neither planted object was unpickled
+    entry, index = b0["planted_entry"], b0["planted_index"]
+    assert (b1["planted_entry"], b1["planted_index"]) == (entry, index)  # the same on both ranks
+    planted = jobs["ran"].parent / "planted" / "step-00000002"
+    assert entry.startswith(f"checkpoint {planted} refused: "), entry
+    assert "refused: entry 'optim.param_groups." in entry, entry
+    assert "holds a pickled object, not data (Unsupported global: GLOBAL exec " in entry, entry
+    assert "refused: its .metadata names builtins.exec, which is not DCP metadata" in index, index
+    for msg in (entry, index):
+        assert "torch.load(weights_only=True)" in msg and "fix: load only checkpoints" in msg
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)

@@ -4,6 +4,11 @@ The MLP example (32 input features) planned for 2 local CPU devices (pp = 2,
 2 micro-batches) trains 4 steps with checkpoints every 2 steps and a
 measured trace; a second ``planner run`` resumes from the step-4 checkpoint
 and trains steps 5 and 6. The launcher runs as a subprocess, as a user runs it.
+
+Without processes: the torchrun command ``planner run`` builds rendezvous on
+127.0.0.1 unless told another address (multi-node needs an explicit one), and
+a store made by ``runtime.rendezvous`` listens on the loopback address only
+(torch's own TCPStore listens on every interface, whatever its host name).
 """
 
 from __future__ import annotations
@@ -44,19 +49,19 @@ _RUN = (
 )
 
 
-def planner_run(args: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, float]:
-    """Run ``planner run ARGS``; returns (exit status, stdout + stderr, seconds)."""
+def planner_command(args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``planner run ARGS``."""
     wired = "add_run_parser" in (ROOT / "planner" / "cli.py").read_text()
     head = ["-m", "planner", "run"] if wired else ["-c", _RUN, "run"]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    return [sys.executable, *head, *args], {**os.environ, "PYTHONPATH": str(ROOT), **env}
+
+
+def planner_run(args: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, float]:
+    """Run ``planner run ARGS``; returns (exit status, stdout + stderr, seconds)."""
+    cmd, full_env = planner_command(args, env)
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, *head, *args],
-        env=full_env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
+        cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
@@ -164,3 +169,76 @@ def test_run_options_are_checked_before_launching(tmp_path: Path) -> None:
     ns = parser.parse_args(["run", str(MLP), "--plan", "p.yaml", "--checkpoint-every", "2"])
     with pytest.raises(ValueError, match="needs --checkpoint-dir"):
         cmd_run(ns)
+
+
+def _run_namespace(*args: str) -> argparse.Namespace:
+    from runtime.launch import add_run_parser
+
+    parser = argparse.ArgumentParser(prog="planner")
+    add_run_parser(parser.add_subparsers())
+    return parser.parse_args(["run", str(MLP), "--plan", "plan.yaml", *args])
+
+
+def _option(cmd: list[str], flag: str) -> str:
+    """The value of torchrun's ``flag`` in ``cmd`` (before the worker's own arguments)."""
+    agent = cmd[: cmd.index("runtime")]
+    return agent[agent.index(flag) + 1]
+
+
+def test_a_local_run_rendezvous_on_the_loopback_address() -> None:
+    from runtime.launch import torchrun_command
+    from runtime.rendezvous import BACKEND
+
+    cmd = torchrun_command(_run_namespace(), 4, 29555)
+    assert cmd[1:3] == ["-m", "runtime.agent"]
+    assert _option(cmd, "--nnodes") == "1" and _option(cmd, "--nproc-per-node") == "4"
+    assert _option(cmd, "--rdzv-endpoint") == "127.0.0.1:29555"
+    assert _option(cmd, "--local-addr") == "127.0.0.1"  # the workers' MASTER_ADDR
+    assert _option(cmd, "--rdzv-backend") == BACKEND  # its store bound to loopback only
+    # another address is an explicit choice (the machines must reach each other)
+    cmd = torchrun_command(_run_namespace("--master-addr", "10.1.2.3"), 4, 29555)
+    assert _option(cmd, "--rdzv-endpoint") == "10.1.2.3:29555"
+    assert _option(cmd, "--local-addr") == "10.1.2.3"
+
+
+def test_a_loopback_store_listens_on_the_loopback_address_only() -> None:
+    from runtime.rendezvous import is_loopback, listening_store
+
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("10.1.2.3") and not is_loopback("node-1")
+    port = _free_tcp_port()
+    store = listening_store("127.0.0.1", port, world_size=1, timeout_s=10)
+    store.set("key", "value")
+    assert listening_addresses(port) == ["127.0.0.1"]  # torch's own would say "::"
+    del store
+
+
+def _free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def listening_addresses(port: int | None = None, inodes: set[int] | None = None) -> list[str]:
+    """Local addresses of this machine's listening TCP sockets (of ``port``, or these inodes)."""
+    import ipaddress
+
+    found = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":  # LISTEN
+                continue
+            hexaddr, hexport = fields[1].split(":")
+            if port is not None and int(hexport, 16) != port:
+                continue
+            if inodes is not None and int(fields[9]) not in inodes:
+                continue
+            raw = bytes.fromhex(hexaddr)  # 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            ip = ipaddress.ip_address(raw) if v6 else ipaddress.IPv4Address(raw)
+            mapped = getattr(ip, "ipv4_mapped", None)
+            found.append(str(mapped or ip))
+    return sorted(found)

@@ -1,0 +1,85 @@
+"""``python -m runtime.agent [torchrun options] -m runtime ...``: torchrun, for ``planner run``.
+
+It takes torchrun's own arguments (``python -m torch.distributed.run --help``)
+and runs torchrun's elastic agent in this process, with two additions:
+
+* the rendezvous backend ``planner-c10d``: torchrun's c10d, whose store
+  listens on the loopback address only when the endpoint is one
+  (``runtime.rendezvous``, [Note: a local run listens on loopback only]);
+* when the workers fail, torchrun's failure summary (every failed rank, and
+  the root cause: the earliest failure, with its traceback) is printed without
+  the agent's own Python traceback, followed by one line saying which rank
+  failed first and how — its exit status, or the signal that killed it (a rank
+  killed by a signal leaves no error of its own: this line is the only
+  place that names it). Exit status 1.
+
+Restarts (``--max-restarts``) and the stopping of the other workers when one
+fails are torchrun's: its agent checks the workers every ``--monitor-interval``
+seconds (0.1 by default) and, when one has failed, stops the others (SIGTERM,
+then SIGKILL after 30 s) and restarts them all or gives up.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main", "verdict"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run torchrun's agent with ``argv`` (its command line); 0 when every worker succeeded."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from runtime.rendezvous import register_backend
+
+    register_backend()
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        print(exc.format_msg(), file=sys.stderr)
+        print(verdict(exc), file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def verdict(exc: Any) -> str:
+    """One line on the root cause of torchrun's ``ChildFailedError``: which rank, and how.
+
+    >>> from torch.distributed.elastic.multiprocessing import errors
+    >>> f = errors.ProcessFailure(local_rank=1, pid=42, exitcode=-9, error_file="")
+    >>> print(verdict(errors.ChildFailedError("runtime", {1: f})))  # doctest: +ELLIPSIS
+    planner run: rank 1 (local rank 1, pid 42) was killed by signal 9 (SIGKILL), not by ...
+    """
+    rank, failure = exc.get_first_failure()
+    who = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
+    code = int(failure.exitcode)
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        hint = (
+            "If nobody killed it on purpose: the kernel's out-of-memory killer sends SIGKILL "
+            "(see `dmesg`); lower the memory a rank needs"
+            if -code == signal.SIGKILL
+            else "Look for what sent it"
+        )
+        return (
+            f"planner run: {who} was killed by signal {-code} ({name}), not by an error of "
+            f"its own; the other ranks were stopped. {hint}"
+        )
+    others = sorted(r for r in exc.failures if r != rank)
+    also = f"; rank(s) {', '.join(map(str, others))} failed after it" if others else ""
+    return (
+        f"planner run: {who} failed first, with exit status {code}{also}; its error is the "
+        "Root Cause above"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
