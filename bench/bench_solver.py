@@ -10,6 +10,7 @@ Cases (see CASES):
   (the formulation of DESIGN's measured note, plus root bounds).
 - "sync": parameters unrelated to time (m = 2), so the all-reduce term fights
   the bottleneck: the hard case for the bounds.
+``--quick``: the cases of QUICK_CASES, one seed, a 10 s limit (seconds, not minutes).
 Prints a table and writes bench/results/solver.json.
 """
 
@@ -117,6 +118,7 @@ CASES = (
     ("lm/ilp", 400, 32, make_instance, 1),
     ("sync", 300, 24, make_sync_heavy, 0),
 )
+QUICK_CASES = CASES[:3]
 
 
 def _baselines(problem: PartitionProblem) -> dict[str, float | None]:
@@ -200,21 +202,25 @@ def _gain(ours: object, other: object) -> str:
     return f"{1 - ours / other:.2%}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--limit", type=float, default=60.0, help="time limit per solve (s)")
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (``argv``: the command-line flags; None: ``sys.argv``)."""
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="3 cases, 1 seed, 10 s limit")
+    ap.add_argument("--seeds", type=int, help="seeds per case (default 3; quick 1)")
+    ap.add_argument("--limit", type=float, help="time limit per solve, s (default 60; quick 10)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "solver.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    seeds = args.seeds or (1 if args.quick else 3)
+    limit = args.limit or (10.0 if args.quick else 60.0)
     rows = []
     header = f"{'case':>7} {'n×S':>7} {'seed':>4} {'solver':>6} {'status':>10} {'gap':>8} "
     header += f"{'total s':>7} {'heur s':>6} {'prune s':>7} {'solver s':>8} {'segments':>8} "
     header += f"{'rows':>6} {'vs heur':>7} {'vs unif':>7} {'vs time':>7}"
     print(header)
-    for label, n, stages, maker, rounds in CASES:
-        for seed in range(args.seeds):
+    for label, n, stages, maker, rounds in QUICK_CASES if args.quick else CASES:
+        for seed in range(seeds):
             for solver in ("highs", "cbc"):
-                r = run(label, n, stages, maker, rounds, solver, seed, args.limit)
+                r = run(label, n, stages, maker, rounds, solver, seed, limit)
                 rows.append(r)
                 gains = [
                     _gain(r["objective"], other)
@@ -234,13 +240,16 @@ def main() -> None:
         "pulp": pulp.__version__,
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
+        "command": "python -m bench.bench_solver" + (" --quick" if args.quick else ""),
+        "time_limit_s": limit,
         "note": "solve_s: the whole solve_partition call; heuristic_s and prune_s are the "
         "same phases timed separately; solver_s: HiGHS/CBC through PuLP (model transfer "
         "included). vs X: how much lower the optimum's step time is than X's.",
     }
     out.write_text(json.dumps({"meta": meta, "runs": rows}, indent=1) + "\n")
     print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

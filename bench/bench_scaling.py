@@ -1,0 +1,366 @@
+"""Planning time as the model and the cluster grow: python -m bench.bench_scaling [--quick].
+
+1. **Search** (``planner.search.search``, everything unpinned) on synthetic
+   LM-like chains of ``BLOCKS`` blocks (an embedding and an LM head 6× a
+   layer, log-normal layers) on ``DEVICES`` H100s in nodes of 8, global batch
+   512, with HiGHS and with CBC (PuLP's ``PULP_CBC_CMD``; the planner's default
+   is HiGHS, "auto" takes CBC only when highspy is missing). Per search: wall
+   time, time inside the ILP solves, configurations (pp × dp × m × schedule ×
+   rank layout) considered / solved / pruned by their bound / out of memory,
+   and whether every solve was proven optimal (else the worst gap and how many
+   hit the per-solve time limit).
+2. **End to end** on a real model: ``plan_model`` of a GPT on 64 H100s
+   (analytic profile on the meta device when the planner supports it, see
+   ``bench_plan.meta_profiling_problem``), split into profiling (capture
+   included) and search; and ``planner plan examples/gpt.py --gpus 8`` on this
+   machine (measured profile, profile cache off), the command's wall time.
+
+``--quick`` runs two sweeps through the grid (blocks at 16 devices, devices
+at 64 blocks) with a 10 s per-solve limit, and the end-to-end GPT once (no
+``planner plan`` command).
+
+Writes bench/results/scaling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from bench.bench_plan import knobs, meta_profiling_problem, to_device
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "results" / "scaling.json"
+BLOCKS = (32, 64, 128, 256, 512)
+DEVICES = (8, 16, 64, 128, 512)
+SOLVERS = ("highs", "cbc")
+GLOBAL_BATCH = 512
+
+
+def grid(quick: bool) -> list[tuple[int, int]]:
+    """(blocks, devices) points: the full grid, or --quick's two sweeps.
+
+    Example::
+
+        grid(True)   # [(32, 16), (128, 16), (512, 16), (64, 8), (64, 64), (64, 512)]
+    """
+    if not quick:
+        return [(n, d) for n in BLOCKS for d in DEVICES]
+    return [(n, 16) for n in (32, 128, 512)] + [(64, d) for d in (8, 64, 512)]
+
+
+# --------------------------------------------------------------------------- instrumentation
+
+
+class _Timer:
+    """Wraps a function: every call's wall time and result (for the solver's records)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.calls: list[tuple[float, Any]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        result = None
+        try:
+            result = self.fn(*args, **kwargs)
+            return result
+        finally:  # a call that raised (e.g. nothing fits) still took its time
+            self.calls.append((time.perf_counter() - t0, result))
+
+    @property
+    def seconds(self) -> float:
+        return sum(t for t, _ in self.calls)
+
+
+@contextlib.contextmanager
+def timed(module: Any, name: str) -> Iterator[_Timer]:
+    """Time every call of ``module.name`` (as the module itself looks it up) meanwhile."""
+    timer = _Timer(getattr(module, name))
+    with mock.patch.object(module, name, timer):
+        yield timer
+
+
+def solve_record(solutions: Sequence[Any]) -> dict[str, Any]:
+    """Proven optimal or not, over every ILP solve of one search."""
+    unproven = [s for s in solutions if s.status != "optimal"]
+    gaps = [s.gap for s in unproven if s.gap is not None]
+    return {
+        "solves": len(solutions),
+        "all_optimal": not unproven,
+        "not_optimal": len(unproven),
+        "time_limit_hit": sum(s.status == "time_limit" for s in solutions),
+        "worst_gap": max(gaps) if gaps else (None if unproven else 0.0),
+        "max_segments": max((s.n_segments for s in solutions), default=0),
+    }
+
+
+# --------------------------------------------------------------------------- synthetic chains
+
+
+def synthetic_profile(n_blocks: int, device: str, b: int, seed: int = 0) -> Any:
+    """An LM-like chain at micro-batch ``b``: log-normal layers, heavy first and last blocks."""
+    from planner.records import BlockCost, ModelProfile
+
+    rnd = random.Random(seed)
+    blocks = []
+    for k in range(n_blocks):
+        s = 6.0 if k in (0, n_blocks - 1) else rnd.lognormvariate(0, 0.3)
+        blocks.append(
+            BlockCost(
+                index=k,
+                name=f"layer{k}",
+                modules=(f"layer{k}",),
+                fwd_ms=0.05 * s * b,
+                bwd_ms=0.1 * s * b,
+                param_bytes=int(50e6 * s),
+                activation_bytes=int(20e6 * b * s),
+                output_bytes=int(2e6 * b),
+                boundary_bytes=0 if k == 0 else int(2e6 * b),
+            )
+        )
+    return ModelProfile(
+        fingerprint=f"synthetic-{n_blocks}",
+        source="analytic",
+        device=device,
+        batch_size=b,
+        dtype="float32",
+        threads=0,
+        capture="export",
+        blocks=tuple(blocks),
+    )
+
+
+def search_point(n_blocks: int, devices: int, solver: str, limit_s: float) -> dict[str, Any]:
+    """One search on a synthetic chain; timings, configurations and the solver's proof."""
+    import planner.search as ps
+    import planner.solve as solve
+    from planner.cluster import from_gpus
+    from planner.cost import Training
+
+    cluster = from_gpus(devices, "h100")
+    training = Training(global_batch=GLOBAL_BATCH)
+    options = ps.SearchOptions(solver=solver, time_limit_s=limit_s, keep=10**9)
+    memo: dict[tuple[str, int], Any] = {}
+
+    def profile_for(device: str, b: int) -> Any:
+        if (device, b) not in memo:
+            memo[device, b] = synthetic_profile(n_blocks, device, b)
+        return memo[device, b]
+
+    configs = ps.configurations(cluster, training, options, n_blocks)
+    considered = sum(len(ps.layouts(cluster, pp, dp)) for pp, dp, _, _ in configs)
+    out: dict[str, Any] = {"blocks": n_blocks, "devices": devices, "solver": solver}
+    with (
+        timed(ps, "solve_partition") as ilp,
+        timed(solve, "_run_highs") as highs,
+        timed(solve, "_run_cbc") as cbc,
+    ):
+        t0 = time.perf_counter()
+        try:
+            res = ps.search(profile_for, cluster, training, options, n_blocks=n_blocks)
+        except ValueError as exc:  # nothing fits: a result too
+            res = None
+            out["error"] = str(exc).splitlines()[0]
+        out["search_s"] = time.perf_counter() - t0
+    out["ilp_s"] = ilp.seconds
+    out["solver_s"] = highs.seconds + cbc.seconds
+    out["configurations"] = considered
+    if res is not None:
+        status: dict[str, int] = {}
+        for c in res.candidates:
+            key = "solved" if c.status in ("chosen", "slower") else c.status
+            status[key] = status.get(key, 0) + 1
+        out["candidates"] = status
+        lay = res.layout
+        out["chosen"] = f"pp {lay.pp} × dp {lay.dp}, m {lay.micro_batches}, {lay.schedule}"
+        out["step_ms"] = res.prediction.step_ms
+    out.update(solve_record([r for _, r in ilp.calls if r is not None]))
+    return out
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def gpt_end_to_end(
+    layers: int, target_blocks: int, devices: int, solver: str, limit_s: float, warm: bool
+) -> dict[str, Any]:
+    """plan_model of a GPT on H100s: profiling (capture included) and search timed apart.
+
+    ``warm``: the profiles are in the profile cache already (only the capture and
+    the cache look-up are left of profiling).
+    """
+    import torch
+
+    import planner.api as api
+    from planner.cluster import from_gpus
+    from planner.cost import Training
+    from planner.modelfile import load_model_file
+    from planner.profile import ProfileOptions
+    from planner.search import SearchOptions
+
+    meta = not meta_profiling_problem()
+    if meta:  # a 2.7 B-class width, nothing allocated
+        env = {"GPT_LAYERS": str(layers), "GPT_DIM": "2560", "GPT_HEADS": "32"}
+        env.update(GPT_SEQ="1024", GPT_VOCAB="50304")
+        batch = 4 * devices
+    else:  # real CPU tensors: the default GPT, one sample per device (memory stays small)
+        env, layers, batch = {}, 6, devices
+    device = "meta" if meta else "cpu"
+    with knobs(env):
+        mf = load_model_file(ROOT / "examples" / "gpt.py")
+        with torch.device(device):
+            model = mf.build()
+
+        def sampler(b: int) -> Any:
+            s = mf.sample(b)
+            return to_device(device, (s.args, s.kwargs, s.targets))
+
+        options = api.PlanOptions(
+            training=Training(global_batch=batch, precision="bf16-mixed"),
+            search=SearchOptions(solver=solver, time_limit_s=limit_s),
+            profile=ProfileOptions(target_blocks=target_blocks),
+        )
+        cluster = from_gpus(devices, "h100")
+        with timed(api, "profile_model") as prof, timed(api, "search") as srch:
+            t0 = time.perf_counter()
+            plan = api.plan_model(model, sampler, cluster=cluster, loss_fn=mf.loss, options=options)
+            total = time.perf_counter() - t0
+    return {
+        "model": f"gpt {layers} layers"
+        + (", dim 2560, seq 1024, meta device" if meta else ", default width, CPU tensors"),
+        "global_batch": batch,
+        "parameters": plan.model["parameters"],
+        "blocks": plan.model["blocks"],
+        "devices": devices,
+        "solver": solver,
+        "profiles": len(prof.calls),
+        "profile_s": prof.seconds,
+        "search_s": srch.seconds,
+        "cache": "warm" if warm else "cold",
+        "total_s": total,
+        "chosen": f"pp {plan.pp} × dp {plan.dp}, m {plan.micro_batches}, {plan.schedule}",
+        "solver_status": plan.solver.status,
+    }
+
+
+def cli_end_to_end(example: str = "gpt", gpus: int = 8) -> dict[str, Any]:
+    """Wall time of ``planner plan examples/<example>.py --gpus N`` here, cache off."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, PLANNER_CACHE_DIR=tmp)
+        cmd = [sys.executable, "-m", "planner", "plan", str(ROOT / "examples" / f"{example}.py")]
+        cmd += ["--gpus", str(gpus), "--out", str(Path(tmp) / "plan.yaml")]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise RuntimeError(f"planner plan failed:\n{proc.stderr[-2000:]}")
+    return {"command": f"planner plan examples/{example}.py --gpus {gpus}", "wall_s": wall}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _proof(r: dict[str, Any]) -> str:
+    if r.get("error"):
+        return "no plan"
+    if r["all_optimal"]:
+        return "optimal"
+    hit = f", {r['time_limit_hit']} hit the limit" if r["time_limit_hit"] else ""
+    gap = "?" if r["worst_gap"] is None else f"{r['worst_gap']:.2%}"
+    return f"{r['not_optimal']}/{r['solves']} not proven (gap ≤ {gap}{hit})"
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """blocks × devices → per solver: search s, ILP s, configurations, proof (markdown)."""
+    head = "| blocks | devices | solver | search s | ILP s | solver s "
+    head += "| configs (solved / pruned / OOM) | chosen | proof |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r.get("candidates", {})
+        counts = f"{r['configurations']} ({c.get('solved', 0)} / {c.get('pruned', 0)} / "
+        counts += f"{c.get('out_of_memory', 0)})"
+        lines.append(
+            f"| {r['blocks']} | {r['devices']} | {r['solver']} | {r['search_s']:.1f} | "
+            f"{r['ilp_s']:.1f} | {r['solver_s']:.1f} | {counts} | "
+            f"{r.get('chosen', r.get('error', ''))} | {_proof(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (``argv``: the command-line flags; None: ``sys.argv``)."""
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="two sweeps, 10 s per-solve limit")
+    ap.add_argument("--limit", type=float, help="per-solve time limit, s (default 60; quick 10)")
+    ap.add_argument("--solvers", nargs="+", choices=SOLVERS, default=list(SOLVERS))
+    ap.add_argument("--skip-e2e", action="store_true", help="the synthetic grid only")
+    ap.add_argument("--out", default=str(OUT))
+    ns = ap.parse_args(argv)
+    limit = ns.limit or (10.0 if ns.quick else 60.0)
+    t_start = time.perf_counter()
+    rows = []
+    for n, d in grid(ns.quick):
+        for solver in ns.solvers:
+            rows.append(search_point(n, d, solver, limit))
+            r = rows[-1]
+            print(
+                f"{n:4d} blocks {d:4d} devices {solver:5s}: search {r['search_s']:6.1f} s, "
+                f"ILP {r['ilp_s']:6.1f} s (solver {r['solver_s']:.1f} s), "
+                f"{r['configurations']} configs {r.get('candidates')}, "
+                f"{r.get('chosen', r.get('error'))}, {_proof(r)}",
+                flush=True,
+            )
+    print(format_table(rows))
+    e2e: list[dict[str, Any]] = []
+    if not ns.skip_e2e:
+        # (GPT layers, profile granularity, devices): about 130, 450 and 130 blocks
+        sizes = [(32, 64, 64)] if ns.quick else [(32, 64, 64), (64, 512, 64), (32, 64, 512)]
+        with tempfile.TemporaryDirectory() as cache, knobs({"PLANNER_CACHE_DIR": cache}):
+            for layers, target, devices in sizes:
+                for k, solver in enumerate(ns.solvers):
+                    e2e.append(gpt_end_to_end(layers, target, devices, solver, limit, k > 0))
+                    print(f"end to end: {e2e[-1]}", flush=True)
+        if not ns.quick:
+            e2e.append(cli_end_to_end())
+            print(f"end to end: {e2e[-1]}", flush=True)
+    wall = time.perf_counter() - t_start
+    out: dict[str, Any] = {
+        "command": "python -m bench.bench_scaling" + (" --quick" if ns.quick else ""),
+        "meta": {
+            "machine": platform.platform(),
+            "python": sys.version.split()[0],
+            "cpu_count": os.cpu_count(),
+            "load_avg": os.getloadavg(),
+            "time_limit_s": limit,
+            "global_batch": GLOBAL_BATCH,
+            "wall_s": wall,
+            "note": "search_s: the whole search (bounds, ILPs, simulation, refinement); "
+            "ilp_s: inside solve_partition (heuristic, pruning, solver); solver_s: inside "
+            "HiGHS / CBC (through PuLP, model transfer included); configurations: "
+            "pp × dp × m × schedule × rank layouts considered.",
+        },
+        "search": rows,
+        "end_to_end": e2e,
+    }
+    path = Path(ns.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    print(f"wrote {path} ({wall:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
