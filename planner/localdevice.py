@@ -29,7 +29,8 @@ def local_cpu() -> Device:
     memory bandwidth from a 64 MiB copy (bytes read + written per second), the
     per-op overhead from a loop of 1-element adds, memory from the RAM (or the
     cgroup limit, when lower). Efficiencies are 1.0: the measurements already are
-    achieved speeds. Cached per process and per ``torch.get_num_threads()``.
+    achieved speeds. Cached per ``torch.get_num_threads()``, in the process and in
+    the profile cache (one measurement per CPU model and thread count).
 
     Example::
 
@@ -86,9 +87,53 @@ def _median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 @functools.cache
 def _measure_cpu(threads: int) -> _CpuSpeed:
-    """Benchmarks for ``local_cpu``; ``threads`` is the cache key (the current count)."""
+    """Benchmarks for ``local_cpu``, once per CPU model and thread count.
+
+    Kept in the profile cache (``planner.cache``) so that separate runs price the
+    same profile with the same device and write the same plan; delete the cache
+    directory to measure again.
+    """
+    from planner import cache
+
+    k = cache.key("local-cpu-speed", _cpu_model(), os.cpu_count(), threads)
+    hit = cache.load(k)
+    if hit is not None:
+        try:
+            return _CpuSpeed(
+                peak_flops={str(d): float(v) for d, v in hit["peak_flops"].items()},
+                memory_bandwidth=float(hit["memory_bandwidth"]),
+                op_overhead_s=float(hit["op_overhead_s"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError):
+            log.warning("ignoring a malformed local-CPU entry in the profile cache")
+    speed = _run_cpu_benchmarks()
+    cache.store(
+        k,
+        {
+            "peak_flops": speed.peak_flops,
+            "memory_bandwidth": speed.memory_bandwidth,
+            "op_overhead_s": speed.op_overhead_s,
+        },
+    )
+    return speed
+
+
+def _run_cpu_benchmarks() -> _CpuSpeed:
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -96,15 +141,16 @@ def _measure_cpu(threads: int) -> _CpuSpeed:
     peak: dict[str, float] = {}
     # Explicit device and no active modes: this may first run inside a meta-device
     # context or under an OpCostMode, and must time real CPU work all the same.
+    gen = torch.Generator().manual_seed(0)  # the caller's random state stays as it was
     with _disable_current_modes(), torch.no_grad():
         for name, dt in torch_dtypes.items():
             n = 256
-            a = torch.randn(n, n, device="cpu").to(dt)
+            a = torch.randn(n, n, generator=gen, device="cpu").to(dt)
             t = _median_time(functools.partial(torch.mm, a, a), 1)
             # Grow the matrix so one matmul takes ~10 ms (small ones miss the
             # peak); some CPUs run fp16 matmuls ~100x slower than fp32.
             n = int(min(2048, max(256, n * (0.01 / max(t, 1e-9)) ** (1 / 3))) // 128 * 128)
-            a = torch.randn(n, n, device="cpu").to(dt)
+            a = torch.randn(n, n, generator=gen, device="cpu").to(dt)
             peak[name] = 2 * n**3 / _median_time(functools.partial(torch.mm, a, a), 3)
         peak["tf32"] = peak["fp32"]  # no TF32 on a CPU
 

@@ -191,11 +191,12 @@ def test_local_cpu_is_measured_positive_and_cached():
     assert get_device("cpu") is cpu
 
 
-def test_local_cpu_measures_outside_meta_device_and_modes():
+def test_local_cpu_measures_outside_meta_device_and_modes(tmp_path, monkeypatch):
     import torch
 
     from planner.opcost import OpCostMode
 
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path))  # measure, not read the cache
     catalogue._measure_cpu.cache_clear()
     catalogue._local_cpu_device.cache_clear()
     start = time.perf_counter()
@@ -205,6 +206,28 @@ def test_local_cpu_measures_outside_meta_device_and_modes():
     assert time.perf_counter() - start < 2.0
     assert cpu.peak_flops["fp32"] > 1e8
     assert mode.total.ops == 0
+
+
+def test_local_cpu_speed_is_kept_in_the_cache_and_leaves_the_rng_alone(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path))
+    catalogue._measure_cpu.cache_clear()
+    catalogue._local_cpu_device.cache_clear()
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    first = local_cpu()
+    assert torch.equal(torch.get_rng_state(), before)
+    assert len(list(tmp_path.glob("profile-*.json"))) == 1
+    # Another process (the in-process caches cleared) reads the same numbers back.
+    catalogue._measure_cpu.cache_clear()
+    catalogue._local_cpu_device.cache_clear()
+    again = local_cpu()
+    assert again.peak_flops == first.peak_flops
+    assert again.memory_bandwidth == first.memory_bandwidth
+    assert again.op_overhead_s == first.op_overhead_s
+    catalogue._measure_cpu.cache_clear()
+    catalogue._local_cpu_device.cache_clear()
 
 
 def test_local_accelerator_is_none_without_cuda():
