@@ -185,6 +185,16 @@ class Cluster:
         """True when every device is the same (type, memory and threads)."""
         return len({(d.device, d.threads) for d in self.devices}) == 1
 
+    @property
+    def cores_per_node(self) -> int:
+        """CPU cores the processes of a node share: for a CPU cluster this machine's
+        usable cores (its processes run here), 0 for GPUs."""
+        if self.backend != "gloo":
+            return 0
+        from planner.cluster_build import _usable_cores
+
+        return _usable_cores()
+
     def devices_per_node(self) -> list[int]:
         counts = [0] * self.n_nodes
         for d in self.devices:

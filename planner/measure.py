@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -11,7 +12,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from planner.blocks import Block
+from planner.blocks import Block, BlockChain
 from planner.capture import Captured
 from planner.catalogue import Device
 from planner.opcost import OpCostMode
@@ -24,6 +25,10 @@ MIN_MEASURE_S = 1.0
 """Timed rounds continue until they add up to this many seconds (see adaptive repeats)."""
 MAX_REPEATS = 50
 """...or until this many timed rounds."""
+QUIET_SHARE = 0.10
+"""A timed round is quiet when other processes kept under this share of the cores busy."""
+MAX_MEASURE_S = 15.0
+"""On a busy machine, rounds go on for at most this long waiting for quiet ones."""
 
 
 # --------------------------------------------------------------------------- forward pass
@@ -101,6 +106,8 @@ class _BlockRunner:
         self._exclude = {t.untyped_storage().data_ptr() for t in self.module.parameters()}
         self._exclude |= {t.untyped_storage().data_ptr() for t in self.module.buffers()}
         self.saved_bytes = 0
+        self.saved_inputs: set[int] = set()
+        self.saved_outputs: set[int] = set()
         self._grads: list[torch.Tensor] | None = None
 
     def forward(self) -> tuple[Any, ...]:
@@ -124,8 +131,23 @@ class _BlockRunner:
         torch.autograd.grad(diff, wrt, self._grads, allow_unused=True)
 
     def cost(self, device: Device, dtype: str | None) -> tuple[Any, Any]:
-        """One forward + backward under OpCostMode; records saved-for-backward bytes."""
+        """One forward + backward under OpCostMode; records what the forward saves.
+
+        [Note: saved bytes, each tensor once] The backward keeps one copy of a
+        tensor however many ops save it, and a block's input is the storage an
+        earlier block produced. So the saved storages are split three ways:
+        ``saved_bytes`` (created here, outputs included), ``saved_outputs``
+        (which of the block's outputs it saved itself) and ``saved_inputs``
+        (which inputs it saved: ``profile_chain`` charges those to the block
+        that produced them, once). Summed over blocks, the figures give the
+        model's distinct saved bytes, as a stage of contiguous blocks holds them.
+        """
         mode = OpCostMode(device, dtype_override=dtype)
+        inputs = {
+            t.untyped_storage().data_ptr(): k
+            for k, t in enumerate(self.inputs)
+            if isinstance(t, torch.Tensor)
+        }
         seen: set[int] = set()
         total = 0
 
@@ -133,14 +155,24 @@ class _BlockRunner:
             nonlocal total
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr not in self._exclude and ptr not in seen:
-                seen.add(ptr)
+            if ptr in self._exclude or ptr in seen:
+                return t
+            seen.add(ptr)
+            if ptr in inputs:
+                self.saved_inputs.add(inputs[ptr])
+            else:
                 total += storage.nbytes()
             return t
 
+        self.saved_inputs = set()
         with mode:
             with mode.phase("fwd"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 outs = self.forward()
+            self.saved_outputs = {
+                k
+                for k, o in enumerate(outs)
+                if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in seen
+            }
             with mode.phase("bwd"):
                 self.backward(outs)
         self.saved_bytes = total
@@ -160,7 +192,14 @@ def _measure(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     options: ProfileOptions,
     progress: Progress | None,
-) -> tuple[list[float], list[float], tuple[float, float], tuple[float | None, float | None], int]:
+) -> tuple[
+    list[float],
+    list[float],
+    tuple[float, float],
+    tuple[float | None, float | None],
+    int,
+    str | None,
+]:
     n = len(runners)
     fwd: list[list[float]] = [[] for _ in range(n)]
     bwd: list[list[float]] = [[] for _ in range(n)]
@@ -174,6 +213,12 @@ def _measure(
     # [Note: adaptive repeats] A short model is timed for more rounds: at least
     # `repeats`, and more until the timed rounds add up to MIN_MEASURE_S (at most
     # MAX_REPEATS), so a millisecond-scale model is not at the mercy of one hiccup.
+    # [Note: quiet rounds] On a shared machine another process's burst slows some
+    # rounds (and a multi-threaded round far more: its threads wait on each other).
+    # Each round's load is read from /proc/stat; rounds continue (up to
+    # MAX_MEASURE_S) until `repeats` were quiet, and only quiet rounds count, or,
+    # failing that, the least loaded half.
+    load = _Load()
     rounds = options.warmup + options.repeats
     started: float | None = None
     r = 0
@@ -181,10 +226,12 @@ def _measure(
         keep = r >= options.warmup
         if keep and started is None:
             started = time.perf_counter()
+            load.start()
         kept = r - options.warmup
         if kept >= options.repeats and started is not None:
             spent = time.perf_counter() - started
-            if spent >= MIN_MEASURE_S or kept >= max(MAX_REPEATS, options.repeats):
+            enough = spent >= MIN_MEASURE_S and load.quiet() >= options.repeats
+            if enough or kept >= max(MAX_REPEATS, options.repeats) or spent >= MAX_MEASURE_S:
                 break
             rounds = r + 1
         for k, runner in enumerate(runners):
@@ -223,18 +270,92 @@ def _measure(
                 loss_f.append(lf)
                 loss_b.append(lb)
         del out
+        if keep:
+            load.round_done()
         if progress is not None:
             progress("blocks", (r + 1) * (n + 1), rounds * (n + 1))
         r += 1
-    med = statistics.median
+    use = load.selection()
+
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs[i] for i in use)
+
     hf, hb = _harness_overhead()
     return (
         [_net(med(x), hf) for x in fwd],
         [_net(med(x), hb) for x in bwd],
         (med(loss_f), med(loss_b)) if loss_f else (0.0, 0.0),
         (med(whole_f), med(whole_b)),
-        len(whole_f),
+        len(use),
+        load.note(),
     )
+
+
+def _busy_s() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot (Linux), else None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class _Load:
+    """Other processes' share of the cores per timed round ([Note: quiet rounds]).
+
+    /proc/stat counts in 10 ms ticks, so rounds are read in windows of at least
+    ``window_s``; every round of a window gets the window's share.
+    """
+
+    def __init__(self, window_s: float = 0.2) -> None:
+        self.window_s = window_s
+        self.shares: list[float] = []
+        self.pending = 0
+        self.cores = os.cpu_count() or 1
+
+    def start(self) -> None:
+        self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_s(), time.process_time()
+
+    def round_done(self) -> None:
+        self.pending += 1
+        if time.perf_counter() - self.t0 >= self.window_s:
+            self._close_window()
+
+    def _close_window(self) -> None:
+        if not self.pending:
+            return
+        wall = time.perf_counter() - self.t0
+        busy = _busy_s()
+        share = 0.0
+        if busy is not None and self.busy0 is not None and wall > 0:
+            own = time.process_time() - self.own0
+            share = max(0.0, busy - self.busy0 - own) / (wall * self.cores)
+        self.shares += [share] * self.pending
+        self.pending = 0
+        self.start()
+
+    def quiet(self) -> int:
+        return sum(x < QUIET_SHARE for x in self.shares)
+
+    def selection(self) -> list[int]:
+        """Indices of the rounds to keep: the quiet ones, else the least loaded half."""
+        self._close_window()
+        quiet = [i for i, x in enumerate(self.shares) if x < QUIET_SHARE]
+        if len(quiet) >= min(3, len(self.shares)):
+            return quiet
+        order = sorted(range(len(self.shares)), key=lambda i: self.shares[i])
+        return sorted(order[: max(1, len(order) // 2)])
+
+    def note(self) -> str | None:
+        if self.quiet() == len(self.shares):
+            return None
+        kept = len(self.selection())
+        return (
+            f"{self.quiet()} of {len(self.shares)} timed rounds were quiet (other processes "
+            f"under {QUIET_SHARE:.0%} of the cores); the times are medians of {kept}"
+        )
 
 
 def _net(measured: float, overhead: float) -> float:
@@ -266,6 +387,43 @@ def _harness_overhead(rounds: int = 60) -> tuple[float, float]:
         fwd.append((t1 - t0) * 1e3)
         bwd.append((t2 - t1) * 1e3)
     return statistics.median(fwd[10:]), statistics.median(bwd[10:])
+
+
+def _interpreter_ms(
+    cap: Captured, values: dict[torch.fx.Node, Any], chain: BlockChain, rounds: int = 7
+) -> list[float]:
+    """Per block, the ms that running its nodes through ``torch.fx.Interpreter`` adds.
+
+    [Note: interpreter overhead] The runtime's stage modules (``pipeline()``'s
+    unflattened export modules) run their graphs with a new
+    ``torch.fx.Interpreter`` per call: building it (last uses of every value)
+    and stepping through the nodes in Python costs some 20 µs per node here,
+    1-2 ms per forward of a CNN stage, where the block timings (generated code)
+    spend none. It is timed by replaying the whole graph with every op's result
+    taken from ``values`` (only the interpreter's own work is left) and shared
+    among the blocks by their node counts. Added to measured CPU forward times;
+    on a GPU it overlaps the kernels.
+    """
+    current: list[torch.fx.Node] = []
+
+    class _Replay(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            current[:] = [n]
+            return super().run_node(n)
+
+        def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+            return values[current[0]]
+
+        call_method = call_function
+        call_module = call_function
+
+    spent = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        _Replay(cap.gm).run(*cap.flat_inputs)
+        spent.append(time.perf_counter() - t0)
+    per_node = statistics.median(spent[1:]) * 1e3 / max(1, sum(len(b.nodes) for b in chain.blocks))
+    return [per_node * len(b.nodes) for b in chain.blocks]
 
 
 def _time_loss(

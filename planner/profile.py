@@ -40,12 +40,23 @@ from planner.catalogue import get_device
 from planner.localdevice import local_cpu
 from planner.measure import MAX_REPEATS as MAX_REPEATS
 from planner.measure import MIN_MEASURE_S as MIN_MEASURE_S
-from planner.measure import _attr, _BlockRunner, _forward_pass, _loss_cost, _measure, _requires_grad
+from planner.measure import (
+    _attr,
+    _BlockRunner,
+    _forward_pass,
+    _interpreter_ms,
+    _loss_cost,
+    _measure,
+    _requires_grad,
+)
 from planner.records import DTYPE_BYTES, BlockCost, ModelProfile, TiedSet
 
 __all__ = ["ProfileOptions", "profile_chain", "profile_model"]
 
 log = logging.getLogger(__name__)
+
+_SEMANTICS = "saved-bytes-by-producer, interpreted forward"
+"""Part of the cache key: bump it when a figure's meaning changes (old entries then miss)."""
 
 Progress = Callable[[str, int, int], None]
 """progress(phase, done, total): called as profiling advances."""
@@ -141,6 +152,7 @@ def profile_model(
         cap = capture(model, args, kwargs)
         fp = fingerprint(cap, model)
         key = _cache.key(
+            _SEMANTICS,
             fp,
             _signature((args, kwargs, targets)),
             options.device,
@@ -195,23 +207,30 @@ def profile_chain(
         loss_times = (0.0, 0.0)
         whole: tuple[float | None, float | None] = (None, None)
         repeats = 0
+        load_note: str | None = None
+        interpreted = 0.0
         if options.analytic:
             fwd_ms = [c.time_s * 1e3 for c in fwd]
             bwd_ms = [c.time_s * 1e3 for c in bwd]
             if loss_fn is not None:
                 loss_times = _loss_cost(model, cap, targets, loss_fn, device, options.dtype)
         else:
-            fwd_ms, bwd_ms, loss_times, whole, repeats = _measure(
+            fwd_ms, bwd_ms, loss_times, whole, repeats, load_note = _measure(
                 model, cap, runners, targets, loss_fn, options, progress
             )
+            if device.kind == "cpu":
+                extra = _interpreter_ms(cap, values, chain)
+                fwd_ms = [f + x for f, x in zip(fwd_ms, extra, strict=True)]
+                interpreted = sum(extra)
 
     owners = _Owners(chain)
+    saved = _saved_bytes(chain, runners, values)
     # Every byte figure is in the profile's dtype: an analytic bf16 profile of an
     # fp32 model halves parameters as well as activations, so that the cost
     # model's bytes / dtype size gives the parameter count.
     scale = _dtype_scale(options.dtype, _model_dtype(model))
     blocks = []
-    for k, (block, runner) in enumerate(zip(chain.blocks, runners, strict=True)):
+    for k, block in enumerate(chain.blocks):
         blocks.append(
             BlockCost(
                 index=k,
@@ -221,7 +240,7 @@ def profile_chain(
                 bwd_ms=bwd_ms[k],
                 param_bytes=int(owners.param_bytes(k, cap.gm) * scale),
                 buffer_bytes=owners.buffer_bytes(k, cap.gm),
-                activation_bytes=int(runner.saved_bytes * scale),
+                activation_bytes=int(saved[k] * scale),
                 output_bytes=int(block.output_bytes * scale),
                 boundary_bytes=int(block.boundary_bytes * scale),
                 fwd_flops=fwd[k].flops,
@@ -234,6 +253,13 @@ def profile_chain(
         for names, blocks_ in chain.tied
     )
     notes = [f"excluded split point {e.fqn}: {e.reason}" for e in chain.excluded]
+    if load_note:
+        notes.append(load_note)
+    if not options.analytic and device.kind == "cpu":
+        notes.append(
+            f"forward times include {interpreted:.2f} ms of torch.fx.Interpreter overhead "
+            "(the runtime's stage modules run interpreted; see planner.measure)"
+        )
     if cap.export_error:
         notes.append(f"captured with symbolic_trace; torch.export said: {cap.export_error}")
     batch = _batch_size(cap.flat_inputs)
@@ -255,6 +281,39 @@ def profile_chain(
         repeats=0 if options.analytic else repeats,
         notes=tuple(notes),
     )
+
+
+def _saved_bytes(
+    chain: BlockChain, runners: Sequence[_BlockRunner], values: dict[torch.fx.Node, Any]
+) -> list[int]:
+    """Per block, the bytes the backward keeps that the block created.
+
+    A block's own saved storages, plus its outputs that later blocks save (and
+    it did not): see [Note: saved bytes, each tensor once] in planner.measure.
+    Model inputs saved by a block are charged to no block: they are the batch,
+    which the caller holds anyway.
+    """
+    producer: dict[torch.fx.Node, int] = {}
+    for block in chain.blocks:
+        for node in block.nodes:
+            producer[node] = block.index
+    out = [r.saved_bytes for r in runners]
+    charged: set[int] = set()
+    for block, runner in zip(chain.blocks, runners, strict=True):
+        for k in sorted(runner.saved_inputs):
+            node = block.inputs[k]
+            value = values.get(node)
+            p = producer.get(node)
+            if p is None or not isinstance(value, torch.Tensor):
+                continue
+            src = chain.blocks[p]
+            if node in src.outputs and src.outputs.index(node) in runners[p].saved_outputs:
+                continue  # the producer saved it itself: already in its figure
+            storage = value.untyped_storage()
+            if storage.data_ptr() not in charged:
+                charged.add(storage.data_ptr())
+                out[p] += storage.nbytes()
+    return out
 
 
 # --------------------------------------------------------------------------- model state

@@ -22,6 +22,15 @@ m = 3; · = idle)::
 warm-up forwards, then one forward and one backward in turn, then the
 remaining backwards.
 
+[Note: shared cores] Stages that share a machine's cores (local CPU processes)
+slow each other down: an action's time is its work alone divided by the
+``speed`` of the moment, which depends on how many stages compute at once
+(oversubscribed cores are time-sliced; memory bandwidth is shared). With 4
+single-threaded processes on 2 cores (pp = 2, dp = 2), a fill or drain slot
+runs at the speed of 2 processes, the steady state at that of 4. The
+simulation is event-driven for this: the rate changes whenever a stage starts
+or ends an action.
+
 Pure: no torch.
 """
 
@@ -128,6 +137,9 @@ def simulate(
     link_fwd: Sequence[float] | None = None,
     link_bwd: Sequence[float] | None = None,
     sync: Sequence[float] | None = None,
+    speed: Sequence[float] | None = None,
+    reduce: Sequence[float] | None = None,
+    join: Sequence[Sequence[int]] = (),
 ) -> Timeline:
     """Simulate one step.
 
@@ -137,12 +149,23 @@ def simulate(
         tl.step_ms      # 3·(1 + 2) + … : see closed_form
 
     Args:
-        fwd, bwd: per stage, the time of one micro-batch's forward / backward.
+        fwd, bwd: per stage, the time of one micro-batch's forward / backward
+            when it computes alone.
         micro_batches: m.
         schedule: "gpipe" or "1f1b".
         link_fwd, link_bwd: per link s → s+1 (p − 1 of them), the time of one
             micro-batch's activation / gradient transfer. Default 0.
         sync: per stage, the gradient all-reduce after its last backward.
+        speed: ``speed[k − 1]`` is the rate at which every computing stage
+            progresses while k stages compute at once (1.0 = as fast as alone;
+            see [Note: shared cores]). Default: 1.0 for every k.
+        reduce: per stage, time added to its last backward before that
+            backward's gradient goes back to the previous stage: DDP
+            all-reduces the gradients inside the last backward, so each stage's
+            all-reduce delays the stages before it.
+        join: groups of stages whose ``sync`` starts together, once every
+            member has finished its last backward (they all-reduce the
+            gradients of tied weights, a collective).
     """
     p, m = len(fwd), micro_batches
     if len(bwd) != p or p < 1 or m < 1:
@@ -150,8 +173,12 @@ def simulate(
     lf = list(link_fwd) if link_fwd is not None else [0.0] * (p - 1)
     lb = list(link_bwd) if link_bwd is not None else [0.0] * (p - 1)
     sy = list(sync) if sync is not None else [0.0] * p
-    if len(lf) != p - 1 or len(lb) != p - 1 or len(sy) != p:
-        raise ValueError("link_fwd/link_bwd need p − 1 entries and sync p entries")
+    rate = list(speed) if speed is not None else [1.0] * p
+    red = list(reduce) if reduce is not None else [0.0] * p
+    if len(lf) != p - 1 or len(lb) != p - 1 or len(sy) != p or len(red) != p:
+        raise ValueError("link_fwd/link_bwd need p − 1 entries, sync and reduce p entries")
+    if len(rate) != p or not all(r > 0 for r in rate):
+        raise ValueError(f"speed needs p = {p} entries, each > 0 (got {rate})")
     actions = schedule_actions(schedule, p, m)
 
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, k) -> end time
@@ -162,7 +189,9 @@ def simulate(
     nxt = [0] * p
     events: list[Event] = []
 
-    def ready(s: int, act: str) -> float | None:
+    def ready(s: int) -> float | None:
+        """When stage s's next action may start (None: its input is not yet scheduled)."""
+        act = actions[s][nxt[s]]
         kind, k = act[0], int(act[1:])
         if kind == "F":
             return 0.0 if s == 0 else arrive.get(("F", s, k))
@@ -170,45 +199,75 @@ def simulate(
             return done.get(("F", s, k))
         return arrive.get(("B", s, k))
 
-    remaining = sum(len(a) for a in actions)
-    while remaining:
-        progressed = False
-        for s in range(p):
-            if nxt[s] >= len(actions[s]):
-                continue
-            act = actions[s][nxt[s]]
-            t_in = ready(s, act)
-            if t_in is None:
-                continue
-            kind, k = act[0], int(act[1:])
-            start = max(stage_free[s], t_in)
-            end = start + (fwd[s] if kind == "F" else bwd[s])
-            events.append(Event(s, kind, k, start, end))
-            stage_free[s] = end
-            done[(kind, s, k)] = end
-            if kind == "F" and s < p - 1:
-                t0 = max(end, link_free_f[s])
-                t1 = t0 + lf[s]
-                link_free_f[s] = t1
-                if lf[s] > 0:
-                    events.append(Event(s, "send_F", k, t0, t1))
-                arrive[("F", s + 1, k)] = t1
-            elif kind == "B" and s > 0:
-                t0 = max(end, link_free_b[s - 1])
-                t1 = t0 + lb[s - 1]
-                link_free_b[s - 1] = t1
-                if lb[s - 1] > 0:
-                    events.append(Event(s, "send_B", k, t0, t1))
-                arrive[("B", s - 1, k)] = t1
-            nxt[s] += 1
-            remaining -= 1
-            progressed = True
-        if not progressed:
-            raise AssertionError(f"schedule {schedule!r} deadlocked at {nxt}")
+    def finish(s: int, act: str, start: float, end: float) -> None:
+        kind, k = act[0], int(act[1:])
+        events.append(Event(s, kind, k, start, end))
+        if nxt[s] == len(actions[s]) and red[s] > 0:  # the last backward all-reduces
+            events.append(Event(s, "sync", -1, end, end + red[s]))
+            end += red[s]
+        stage_free[s] = end
+        done[(kind, s, k)] = end
+        if kind == "F" and s < p - 1:
+            t0 = max(end, link_free_f[s])
+            t1 = t0 + lf[s]
+            link_free_f[s] = t1
+            if lf[s] > 0:
+                events.append(Event(s, "send_F", k, t0, t1))
+            arrive[("F", s + 1, k)] = t1
+        elif kind == "B" and s > 0:
+            t0 = max(end, link_free_b[s - 1])
+            t1 = t0 + lb[s - 1]
+            link_free_b[s - 1] = t1
+            if lb[s - 1] > 0:
+                events.append(Event(s, "send_B", k, t0, t1))
+            arrive[("B", s - 1, k)] = t1
 
+    # Event-driven: the stages computing at once share the machine (``speed``), so
+    # an action's end depends on what else runs meanwhile. running: stage -> [action,
+    # start, work left (ms alone)].
+    running: dict[int, list] = {}
+    now = 0.0
+    while True:
+        for s in range(p):
+            if s in running or nxt[s] >= len(actions[s]):
+                continue
+            t_in = ready(s)
+            if t_in is not None and t_in <= now:
+                act = actions[s][nxt[s]]
+                running[s] = [act, now, fwd[s] if act[0] == "F" else bwd[s]]
+                nxt[s] += 1
+        waiting = [
+            t
+            for s in range(p)
+            if s not in running and nxt[s] < len(actions[s])
+            for t in [ready(s)]
+            if t is not None and t > now
+        ]
+        if not running:
+            if not waiting:
+                break
+            now = min(waiting)
+            continue
+        r = rate[len(running) - 1]
+        step = min(w for _, _, w in running.values()) / r
+        until = min([now + step, *waiting])
+        for s, run in sorted(running.items()):
+            run[2] -= (until - now) * r
+            if until == now + step and run[2] <= 1e-12 * max(1.0, step * r):
+                finish(s, run[0], run[1], until)
+                del running[s]
+        now = until
+    if any(nxt[s] < len(actions[s]) for s in range(p)):
+        raise AssertionError(f"schedule {schedule!r} deadlocked at {nxt}")
+
+    begin = list(stage_free)
+    for group in join:
+        together = max(stage_free[s] for s in group)
+        for s in group:
+            begin[s] = together
     step = 0.0
     for s in range(p):
-        end = stage_free[s]
+        end = begin[s]
         if sy[s] > 0:
             events.append(Event(s, "sync", -1, end, end + sy[s]))
         step = max(step, end + sy[s])
@@ -225,6 +284,7 @@ def closed_form(
     link_fwd: Sequence[float] | None = None,
     link_bwd: Sequence[float] | None = None,
     sync: Sequence[float] | None = None,
+    reduce: Sequence[float] | None = None,
 ) -> float:
     """The step time in closed form (what the ILP minimises).
 
@@ -238,12 +298,14 @@ def closed_form(
 
     The all-reduce term assumes no overlap with other stages' drain; the
     simulation credits that overlap, so it is ≤ this bound (equal when the
-    first stage has the largest all-reduce).
+    first stage has the largest all-reduce). ``reduce`` (all-reduces inside
+    the last backward) adds ``Σ reduce``: the last micro-batch's gradient
+    waits for each stage's in turn.
     """
     p, m = len(fwd), micro_batches
     lf = list(link_fwd) if link_fwd is not None else [0.0] * (p - 1)
     lb = list(link_bwd) if link_bwd is not None else [0.0] * (p - 1)
-    sy = max(sync) if sync else 0.0
+    sy = (max(sync) if sync else 0.0) + (sum(reduce) if reduce else 0.0)
     if schedule == "gpipe":
         t_f = sum(fwd) + sum(lf) + (m - 1) * max([*fwd, *lf])
         t_b = sum(bwd) + sum(lb) + (m - 1) * max([*bwd, *lb])

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
 import pytest
 
-from planner.cluster import from_gpus
-from planner.cost import CostModel, Layout, Training, state_bytes
+from planner import cluster_build
+from planner.catalogue import Device
+from planner.cluster import Cluster, from_gpus
+from planner.cluster_build import _assemble
+from planner.cost import CostModel, Layout, Training, cpu_speeds, state_bytes
 from planner.records import BlockCost, ModelProfile, TiedSet
 
 MB = 2**20
@@ -45,6 +52,46 @@ def _profile(n: int = 4, batch: int = 4, tied: bool = False) -> ModelProfile:
     )
 
 
+def _cpu_cluster(n: int, threads: int = 1) -> Cluster:
+    cpu = Device(
+        key="cpu",
+        name="test CPU",
+        kind="cpu",
+        memory_bytes=64 * 2**30,
+        peak_flops={"fp32": 1e11, "tf32": 1e11, "bf16": 1e11, "fp16": 1e11},
+        memory_bandwidth=20e9,
+        nvlink_bandwidth=0.0,
+        pcie_bandwidth=20e9,
+        compute_efficiency=1.0,
+        memory_efficiency=1.0,
+        op_overhead_s=1e-6,
+        source="test",
+    )
+    return _assemble(None, [[(cpu, threads)] * n], {})
+
+
+def _cpu_model(pp=2, dp=1, m=2, acts=8 * MB, cores=2, threads=1, **train) -> CostModel:
+    prof = _profile()
+    prof = replace(
+        prof,
+        device="cpu",
+        source="measured",
+        blocks=tuple(replace(b, activation_bytes=acts) for b in prof.blocks),
+    )
+    ranks = tuple(tuple(r * pp + s for r in range(dp)) for s in range(pp))
+    layout = Layout(pp=pp, dp=dp, micro_batches=m, schedule="gpipe", ranks=ranks)
+    training = Training(global_batch=4 * dp * m, **train)
+    with _cores(cores):
+        return CostModel({"cpu": prof}, _cpu_cluster(pp * dp, threads), training, layout)
+
+
+@contextmanager
+def _cores(n: int) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cluster_build, "_usable_cores", lambda: n)
+        yield
+
+
 def _model(pp=2, dp=1, m=2, schedule="gpipe", prof=None, **train) -> CostModel:
     cluster = from_gpus(pp * dp, "h100")
     ranks = tuple(tuple(r * pp + s for r in range(dp)) for s in range(pp))
@@ -61,49 +108,100 @@ def test_state_bytes_per_parameter() -> None:
         state_bytes("fp32", "lion")
 
 
-def test_memory_breakdown_gpipe_holds_every_micro_batch() -> None:
+# The profile's blocks: 1 Mi fp32 parameters (4 MiB), 8 MiB saved, 1 MiB output,
+# 2 MiB crossing each split; 0.5 MiB input. H100s: Adam's foreach temporaries are
+# 4 B per parameter. See [Note: the memory peak] in planner/cost.py.
+
+
+def test_memory_peak_gpipe_first_backward() -> None:
     cm = _model(pp=2, m=2)
     mem = cm.memory(0, 0, 2)
-    # 2 Mi parameters: 8 MiB weights, 8 MiB grads, 16 MiB Adam moments.
-    assert (mem.params, mem.grads, mem.optimizer) == (8 * MB, 8 * MB, 16 * MB)
-    assert mem.comm_buffers == 0  # dp = 1: no DDP buckets
-    # Per micro-batch: 16 MiB saved + input (0.5 MiB) + output (1 MiB); × 2 in flight.
-    assert mem.activations == 2 * (16 * MB + MB // 2 + MB)
-    assert mem.total == pytest.approx(32 * MB + 35 * MB)
+    assert (mem.params, mem.optimizer, mem.comm_buffers) == (8 * MB, 16 * MB, 0)
+    # Receive buffers: the batch (2 × 0.5) and one output-gradient buffer per
+    # micro-batch (2 × 2). The first backward peaks in block 1's: its gradients
+    # (4 MiB) and the activations of blocks 0-1 (16), with the other micro-batch's
+    # 16 MiB, and the gradients of block 1's output and input (1 + 1) in flight.
+    assert mem.grads == 4 * MB
+    assert mem.activations == 5 * MB + 16 * MB + 16 * MB + 2 * MB
+    assert mem.total == 8 * MB + 16 * MB + 4 * MB + 39 * MB
 
 
-def test_1f1b_keeps_fewer_micro_batches_on_later_stages() -> None:
+def test_1f1b_steady_state_and_the_last_stage() -> None:
     cm = _model(pp=2, m=8, schedule="1f1b")
     first, last = cm.memory(0, 0, 2), cm.memory(1, 2, 4)
-    assert first.activations == 2 * (16 * MB + MB // 2 + MB)  # min(8, pp − 0) = 2
-    assert last.activations == 1 * (16 * MB + 2 * MB + MB)  # min(8, pp − 1) = 1
+    # Stage 0: 2 micro-batches in flight, every gradient allocated after the first
+    # backward; receive buffers for all 8 micro-batches (8 × (0.5 + 2)).
+    assert first.grads == 8 * MB
+    assert first.activations == 20 * MB + 2 * 16 * MB + 2 * MB
+    # Stage 1 (last): 1 in flight holding 16 MiB saved + output and loss (2 × 1);
+    # 8 input buffers (8 × 2); in backward: block 2's input and output gradients
+    # (2 + 1), and the previous micro-batch's input gradient being sent (2).
+    assert last.grads == 8 * MB
+    assert last.activations == 16 * MB + 18 * MB + 5 * MB
+
+
+def test_the_loss_backward_can_be_the_peak() -> None:
+    prof = _profile()
+    big = prof.blocks[-1]
+    blocks = (*prof.blocks[:-1], replace(big, output_bytes=64 * MB))
+    cm = _model(pp=2, m=1, prof=replace(prof, blocks=blocks))
+    mem = cm.memory(1, 2, 4)
+    # No gradients yet; saved 16, the output and what the loss saves (2 × 64), and
+    # the loss's two output-sized gradients (2 × 64); one input buffer (2).
+    assert mem.grads == 0
+    assert mem.activations == 2 * MB + 16 * MB + 128 * MB + 128 * MB
+
+
+def test_optimizer_step_peak_on_cpu() -> None:
+    cm = _cpu_model(pp=1, dp=1, m=1, acts=0)
+    mem = cm.memory(0, 0, 4)
+    # All 4 Mi gradients, the batch (0.5 MiB) and Adam's per-tensor temporaries on
+    # CPU: two of the largest block's parameters (2 × 4 MiB).
+    assert mem.grads == 16 * MB
+    assert mem.activations == MB // 2 + 8 * MB
 
 
 def test_bf16_mixed_and_dp_buckets() -> None:
     cm = _model(pp=1, dp=2, m=1, precision="bf16-mixed")
     mem = cm.memory(0, 0, 4)
     n = 4 * MB  # parameters
-    assert (mem.params, mem.grads, mem.optimizer) == (2 * n, 2 * n, 12 * n)
-    assert mem.comm_buffers == 2 * n
-    assert mem.activations == 1 * (32 * MB + MB // 2 + MB) * 0.5  # bf16 halves fp32 activations
+    assert (mem.params, mem.optimizer) == (2 * n, 12 * n)
+    assert mem.comm_buffers == 2 * n  # DDP's buckets: one gradient's worth
+    # The first backward's peak (no optimizer temporaries counted on GPUs): block 3's
+    # gradients (2 MiB), all 32 MiB saved, output and loss (2 × 1), the gradients of
+    # block 3's output and input (1 + 1); bf16 halves fp32 activations.
+    assert mem.grads == n // 2
+    assert mem.activations == (MB // 2 + 32 * MB + 2 * MB + 2 * MB) * 0.5
 
 
 def test_tied_copy_is_charged_to_the_stage_without_the_owner() -> None:
-    cm = _model(pp=2, prof=_profile(tied=True))
+    cm = _model(pp=2, m=2, prof=_profile(tied=True))
     assert cm.memory(0, 0, 2).tied_copies == 0  # owns block 0
-    assert cm.memory(1, 2, 4).tied_copies == 1 * MB * 16  # 1 Mi params × 16 B
-    # Only the stage holding a copy exchanges its gradient (beyond its optimizer step).
+    # 1 Mi params: weights, gradients and Adam moments (4 + 4 + 8 B).
+    assert cm.memory(1, 2, 4).tied_copies == 1 * MB * 16
+    # With replicas, DDP's buckets hold the copy's gradient too (2 + 1 Mi × 4 B).
+    dp = _model(pp=2, dp=2, m=2, prof=_profile(tied=True))
+    assert dp.memory(1, 2, 4).comm_buffers == 12 * MB
+    # Both stages holding the tied tensor exchange its gradient, the owner too;
+    # a stage holding every user of it exchanges nothing.
     assert cm.sync(1, 2, 4) > cm.optimizer_ms(1, 2, 4)
-    assert cm.sync(0, 0, 2) == pytest.approx(cm.optimizer_ms(0, 0, 2))
+    assert cm.sync(0, 0, 2) > cm.optimizer_ms(0, 0, 2)
+    assert cm.tied_ms(0, 0, 4) == 0.0
+    # The exchange is a collective: both stages start their tail together.
+    tails = [e for e in cm.predict((0, 2)).timeline.events if e.kind == "sync"]
+    assert len(tails) == 2 and tails[0].start == tails[1].start
 
 
 def test_recompute_only_when_it_is_needed() -> None:
     prof = _profile()
     roomy = _model(pp=2, m=4, prof=prof)
     assert not roomy._recompute(0, 0, 2)
+    # Without recompute: 3 more micro-batches × 16 MiB in flight (104 MiB in all);
+    # with it they keep nothing beyond their buffers (56 MiB).
+    assert roomy.memory(0, 0, 2).total == 104 * MB
+    assert roomy.memory(0, 0, 2, True).total == 56 * MB
     tight = _model(pp=2, m=4, prof=prof, memory_headroom=0.0)
-    cap = 32 * MB + 4 * (MB // 2 + MB) + 16 * MB + 1  # fits only if recomputing
-    tight.capacity = [cap, cap]
+    tight.capacity = [60 * MB, 60 * MB]
     assert tight._recompute(0, 0, 2)
     assert tight._bwd(0, 0, 2, True) - tight._bwd(0, 0, 2, False) == pytest.approx(1.0 + 2.0)
 
@@ -138,3 +236,46 @@ def test_layout_checks_divisibility() -> None:
     layout = Layout(pp=1, dp=2, micro_batches=3, schedule="gpipe", ranks=((0, 1),))
     with pytest.raises(ValueError, match="not divisible by dp × micro-batches = 2 × 3 = 6"):
         layout.micro_batch_size(16)
+
+
+def test_cpu_speeds_share_the_cores() -> None:
+    # pp 2 × dp 1 on 2 cores: one stage alone runs at full speed, two co-run.
+    assert cpu_speeds(stages=2, processes=2, threads=1, cores=2) == pytest.approx([1.0, 1 / 1.15])
+    # pp 2 × dp 2: the replicas of one stage co-run; both stages: 4 processes on 2 cores.
+    assert cpu_speeds(stages=2, processes=4, threads=1, cores=2) == pytest.approx(
+        [1 / 1.15, 0.5 / 1.15]
+    )
+    # One process with all the cores.
+    assert cpu_speeds(stages=1, processes=1, threads=2, cores=2) == [1.0]
+
+
+def test_cpu_prediction_simulates_the_shared_cores() -> None:
+    cm = _cpu_model(pp=2, dp=2, m=4, cores=2)
+    assert cm.speeds == pytest.approx([1 / 1.15, 0.5 / 1.15])
+    pred = cm.predict((0, 2))
+    # Reported per-action times are the steady state's (both stages busy) ...
+    s0 = pred.stages[0]
+    assert s0.fwd_ms == pytest.approx((1 + 2 + cm.overhead) * 2 * 1.15)
+    # ... the simulation runs fill and drain (one stage busy) twice as fast, so the
+    # step is below the closed form that prices every slot at the steady speed.
+    assert pred.step_ms < pred.closed_form_ms
+    gpu = _model(pp=2, dp=2, m=4)
+    assert gpu.speeds == [1.0, 1.0]
+
+
+def test_cpu_optimizer_step_counts_tensors_and_traffic() -> None:
+    cm = _cpu_model(pp=1, dp=1, m=1)
+    # [Note: the CPU optimizer step]: Adam, 4 Mi parameters × 72 B at 20 GB/s, and
+    # 4 blocks × 2 tensors × 19 ops × 1 µs; one process: full speed.
+    want = (4 * MB * 72 / 20e9 + 8 * 19 * 1e-6) * 1e3
+    assert cm.optimizer_ms(0, 0, 4) == pytest.approx(want)
+
+
+def test_oversubscribed_cpu_messages_wait_for_a_core() -> None:
+    from planner.cost import CPU_OVERSUBSCRIBED_WAKEUP_S
+
+    four = _cpu_model(pp=2, dp=2, m=4, cores=2)  # 4 processes × 1 thread on 2 cores
+    two = _cpu_model(pp=2, dp=1, m=4, cores=2)
+    assert four.wakeup_s == CPU_OVERSUBSCRIBED_WAKEUP_S and two.wakeup_s == 0.0
+    link = four.cluster.p2p_time(0, 1, 2 * MB)
+    assert four.cut(0, 2)[0] == pytest.approx((link + CPU_OVERSUBSCRIBED_WAKEUP_S) * 1e3 * 2.3)

@@ -88,9 +88,33 @@ def test_measured_profile_figures() -> None:
     # is called, so only the sum crosses out's split point.
     assert [b.boundary_bytes for b in prof.blocks] == [0, 1024, 2048, 2048, 1024]
     assert all(b.fwd_ms > 0 and b.bwd_ms > 0 for b in prof.blocks)
-    assert prof.blocks[0].activation_bytes >= x.nbytes  # the input is saved for the weight grad
+    # h (1024 B) is saved by bn and charged to inp, which made it; x, saved by inp
+    # for its weight's gradient, is the batch and charged to no block.
+    assert prof.blocks[0].activation_bytes == 1024
     assert prof.whole_fwd_ms and prof.whole_bwd_ms and prof.loss_fwd_ms > 0
     assert sum(b.fwd_flops for b in prof.blocks) == 2 * 8 * (16 * 32 + 32 * 32 + 32 * 4)
+
+
+def test_saved_bytes_count_each_tensor_once() -> None:
+    # ReLU saves its output and the next Linear saves the same tensor as its input:
+    # the backward keeps it once, so the blocks' figures sum to the model's own.
+    model = nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)
+    )
+    x = torch.randn(8, 16)
+    prof = profile_model(model, (x,), options=FAST)
+    skip = {t.untyped_storage().data_ptr() for t in [x, *model.parameters()]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    assert sum(b.activation_bytes for b in prof.blocks) == sum(saved.values())
+    assert prof.blocks[-1].activation_bytes == 0  # its input was made (and saved) earlier
 
 
 def test_analytic_flops_of_a_linear_block_match_the_textbook() -> None:
@@ -164,3 +188,15 @@ def test_unknown_device_type_lists_the_catalogue() -> None:
 
 def test_examples_profile_dir_exists() -> None:
     assert (Path(__file__).resolve().parent.parent / "examples" / "gpt.py").exists()
+
+
+def test_loaded_rounds_are_left_out() -> None:
+    from planner.measure import _Load
+
+    load = _Load()
+    load.shares = [0.5, 0.0, 0.02, 0.0, 0.6]  # others' share of the cores, per round
+    assert load.selection() == [1, 2, 3]
+    assert "3 of 5 timed rounds were quiet" in (load.note() or "")
+    busy = _Load()
+    busy.shares = [0.5, 0.3, 0.9, 0.4]  # none quiet: the least loaded half
+    assert busy.selection() == [1, 3]

@@ -94,3 +94,24 @@ def test_one_stage_has_no_bubble() -> None:
     tl = simulate(fwd=[1.0], bwd=[2.0], micro_batches=4, sync=[5.0])
     assert tl.step_ms == 17.0
     assert tl.bubble_fraction == 0.0
+
+
+def test_shared_cores_slow_the_stages_that_compute_at_once() -> None:
+    # [Note: shared cores]: two stages computing together each run at half speed.
+    tl = simulate(fwd=[1, 1], bwd=[1, 1], micro_batches=2, speed=[1.0, 0.5])
+    got = [(e.stage, e.kind, e.micro_batch, e.start, e.end) for e in tl.events]
+    assert got == [
+        (0, "F", 0, 0, 1),  # alone
+        (0, "F", 1, 1, 3),  # with stage 1's F0: half speed
+        (1, "F", 0, 1, 3),
+        (1, "F", 1, 3, 4),  # alone again
+        (1, "B", 0, 4, 5),
+        (0, "B", 0, 5, 7),  # with stage 1's B1
+        (1, "B", 1, 5, 7),
+        (0, "B", 1, 7, 8),
+    ]
+    assert tl.step_ms == 8
+    full = simulate(fwd=[1, 1], bwd=[1, 1], micro_batches=2, speed=[1.0, 1.0])
+    assert full.step_ms == simulate(fwd=[1, 1], bwd=[1, 1], micro_batches=2).step_ms == 6
+    with pytest.raises(ValueError, match="speed"):
+        simulate(fwd=[1, 1], bwd=[1, 1], micro_batches=2, speed=[1.0])

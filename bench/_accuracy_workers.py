@@ -1,0 +1,564 @@
+"""What ``bench.bench_accuracy`` runs inside its spawned gloo worlds (CPU).
+
+Every public ``*_worker`` runs on every rank of a world started by
+``bench._runtime_workers.spawn`` and returns plain data (rank 0's is what the
+bench reports). Each case is planned inside the world, by rank 0 while the
+other ranks wait in a barrier (idle), right before it runs: a shared VM's speed
+drifts over minutes, and so the profile a plan is made from and the steps it is
+compared with see the same spell of it. (Timing all of a world's cases in
+turn, round by round, was tried: holding a dozen pipelines in the processes
+made every step 10-25 % slower.)
+
+[Note: what "peak memory" is] The peak, over a training step, of the bytes held
+by live CPU tensors that this rank's stage allocated. torch's profiler reports
+every allocation and free of the CPU allocator (``profile_memory``); summing
+them from before the model is built to the end of the memory steps gives the
+live tensor bytes at every instant (a free counts only if its allocation was
+seen, so earlier cases in the same process do not leak in). The peak is taken
+over the steps after the second (the first allocates the optimizer state and
+the pipeline's buffers, the second rebuilds DDP's gradient buckets) and
+includes parameters, gradients, optimizer state, DDP's buckets, saved
+activations, the pipeline's send and receive buffers and every temporary. It
+leaves out, and reports apart, parameters that modules other than the stage
+keep alive ([Note: parameters held outside the stage]); and it excludes the
+interpreter, torch's libraries and allocator slack (what a resident-set figure
+adds: reported beside it, from ``runtime.measure``'s probe, as
+``rss_peak_bytes``). It is what the cost model's memory predicts: bytes of
+tensors, not of the process. The memory steps run under the profiler and are
+not timed; the timed steps follow without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from bench._runtime_workers import _count_faults, _init, _own_cpu_s, alternate, cpu_busy_s
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_STEP = "bench.step"  # record_function name prefix of a memory step
+_FIRST_STEADY = 2  # the first memory step whose peak counts
+
+
+def example_path(name: str) -> str:
+    return str(ROOT / "examples" / f"{name}.py")
+
+
+@contextmanager
+def env(values: dict[str, str]) -> Iterator[None]:
+    """The example's knobs in os.environ (its functions read them when called)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def make_plan(example: str, batch: int, pp: int, dp: int, m: int) -> Any:
+    """``plan_model`` pinned to (pp, dp, m) on ``from_gpus(pp·dp)``: local CPU processes.
+
+    Call inside ``env(...)`` of the example. Adam (``planner run``'s default); the
+    schedule is the planner's choice.
+    """
+    from planner.api import PlanOptions, plan_model
+    from planner.cluster import from_gpus
+    from planner.cost import Training
+    from planner.modelfile import load_model_file
+    from planner.search import SearchOptions
+
+    mf = load_model_file(example_path(example))
+    torch.manual_seed(0)
+    model = mf.build()
+    b = mf.sample(batch)
+    inputs = b.args[0] if len(b.args) == 1 and not b.kwargs else (b.args or b.kwargs)
+    return plan_model(
+        model,
+        (inputs, b.targets),
+        cluster=from_gpus(pp * dp),
+        loss_fn=mf.loss,
+        options=PlanOptions(
+            training=Training(global_batch=batch, optimizer="adam"),
+            search=SearchOptions(pp=pp, dp=dp, micro_batches=m),
+        ),
+        model_file=example_path(example),
+    )
+
+
+def layout_of(plan: Any) -> Any:
+    from planner.cost import Layout
+
+    return Layout(
+        pp=plan.pp,
+        dp=plan.dp,
+        micro_batches=plan.micro_batches,
+        schedule=plan.schedule,
+        ranks=tuple(tuple(s.ranks) for s in plan.stages),
+    )
+
+
+def cost_model(plan: Any) -> Any:
+    """The current cost model for ``plan``'s layout, from the profiles the plan carries."""
+    from planner.cluster import Cluster
+    from planner.cost import CostModel, Training
+    from planner.scaling import at_batch_size
+
+    by_device: dict[str, list[Any]] = {}
+    for p in plan.profiles:
+        by_device.setdefault(p.device, []).append(p)
+    profs = {k: at_batch_size(v, plan.micro_batch_size) for k, v in by_device.items()}
+    training = Training(
+        global_batch=plan.global_batch, optimizer=plan.optimizer, precision=plan.precision
+    )
+    return CostModel(profs, Cluster.from_dict(plan.cluster), training, layout_of(plan))
+
+
+def starts_of(plan: Any) -> list[int]:
+    return [s.blocks[0] for s in plan.stages]
+
+
+def with_starts(plan: Any, starts: list[int]) -> Any:
+    """``plan`` with its stages moved to ``starts``, re-priced by the current cost model."""
+    from planner.plan import StagePlan
+
+    pred = cost_model(plan).predict(starts)
+    blocks = plan.profiles[0].blocks
+    stages = []
+    for sp, old in zip(pred.stages, plan.stages, strict=True):
+        i, j = sp.blocks
+        stages.append(
+            StagePlan(
+                index=sp.index,
+                split_point=blocks[i].name if sp.index else "",
+                blocks=(i, j),
+                modules=tuple(m for b in blocks[i:j] for m in b.modules),
+                ranks=old.ranks,
+                device=sp.device,
+                recompute=sp.recompute,
+                fwd_ms=sp.fwd_ms,
+                bwd_ms=sp.bwd_ms,
+                send_ms=sp.send_fwd_ms + sp.send_bwd_ms,
+                sync_ms=sp.sync_ms,
+                memory={**dataclasses.asdict(sp.memory), "total": sp.memory.total},
+            )
+        )
+    predicted = {**plan.predicted, "step_ms": pred.step_ms}
+    return dataclasses.replace(plan, stages=tuple(stages), predicted=predicted)
+
+
+def _plan_here(make: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
+    """``make()`` on rank 0 while the others wait; every rank gets the result and the
+    load meanwhile (others' share of the cores, from /proc/stat)."""
+    out: list[Any] = [None]
+    if dist.get_rank() == 0:
+        b0, o0, t0 = cpu_busy_s(), _own_cpu_s(), time.perf_counter()
+        made = make()
+        wall = time.perf_counter() - t0
+        foreign = max(0.0, (cpu_busy_s() - b0) - (_own_cpu_s() - o0))
+        out = [(made, {"plan_s": wall, "foreign_share": foreign / (wall * (os.cpu_count() or 1))})]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    # `planner run`'s default optimizer and learning rate (runtime/launch.py).
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def _build(example: str, plan: Any) -> tuple[Any, Any]:
+    """(ParallelModel, batch) of ``plan`` for the example; the full model is dropped."""
+    from planner.modelfile import load_model_file
+    from runtime.engine import ParallelModel
+
+    mf = load_model_file(example_path(example))
+    torch.manual_seed(0)  # the same weights on every rank
+    model = mf.build()
+    batch = mf.sample(plan.global_batch)
+    pm = ParallelModel.from_plan(
+        model, plan, loss_fn=mf.loss, optimizer=_adam, sample=(batch.args, batch.kwargs)
+    )
+    return pm, batch
+
+
+def _stepper(pm: Any, batch: Any) -> Callable[[], None]:
+    inputs = batch.args[0] if len(batch.args) == 1 and not batch.kwargs else batch.args
+
+    def run() -> None:
+        pm.step(inputs, batch.targets)
+
+    return run
+
+
+def _reference() -> Callable[[], None]:
+    """A fixed mix of the examples' work (conv, matmul, elementwise), ~10 ms on 1 thread."""
+    gen = torch.Generator().manual_seed(0)
+    img = torch.randn(4, 32, 32, 32, generator=gen)
+    w = torch.randn(32, 32, 3, 3, generator=gen)
+    a = torch.randn(256, 512, generator=gen)
+    b = torch.randn(512, 512, generator=gen)
+    big = torch.randn(1 << 20, generator=gen)
+
+    def run() -> None:
+        for _ in range(3):
+            F.conv2d(img, w, padding=1)
+            torch.mm(a, b)
+            big.mul(1.0001).add_(1.0)
+
+    return run
+
+
+def corun_check(threads: int, repeats: int = 3) -> dict[str, float]:
+    """The reference on rank 0 alone, then on every rank at once (alternating):
+    how much this world's processes slow each other down right now."""
+    ref = _reference()
+
+    def alone() -> None:
+        if dist.get_rank() == 0:
+            ref()
+
+    res = alternate({"alone": alone, "all": ref}, repeats=repeats, warmup=1, max_rounds=repeats)
+    a = statistics.median(res["times"]["alone"])
+    b = statistics.median(res["times"]["all"])
+    return {"alone_ms": a * 1e3, "all_ms": b * 1e3, "slowdown": b / a, "threads": threads}
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _mark(pm: Any) -> Callable[[], None]:
+    """Name this rank's actions in the profile (F k, B k, optimizer); returns the undo."""
+    stage = pm.stage.pipeline_stage
+    undo: list[Callable[[], None]] = []
+
+    def wrap(obj: Any, name: str, label: Callable[..., str]) -> None:
+        orig = getattr(obj, name)
+
+        def run(*a: Any, **k: Any) -> Any:
+            with record_function(label(*a, **k)):
+                return orig(*a, **k)
+
+        setattr(obj, name, run)
+        undo.append(lambda: delattr(obj, name))
+
+    def chunk(kind: str) -> Callable[..., str]:
+        def label(*a: Any, **k: Any) -> str:
+            mb = k.get("fwd_chunk_id", k.get("bwd_chunk_id", a[0] if a else "?"))
+            return f"bench.{kind}{mb}"
+
+        return label
+
+    wrap(stage, "forward_one_chunk", chunk("F"))
+    wrap(stage, "backward_one_chunk", chunk("B"))
+    if pm.optimizer is not None:
+        wrap(pm.optimizer, "step", lambda *a, **k: "bench.optimizer")
+
+    def restore() -> None:
+        for u in reversed(undo):
+            u()
+
+    return restore
+
+
+def _live_series(
+    prof: Any,
+) -> tuple[list[tuple[int, int]], list[tuple[str, int, int]], set[int]]:
+    """((time ns, live bytes after the event) per allocator event, (name, start, end)
+    marks, the addresses of the blocks allocated in the window and still live)."""
+    from torch._C._profiler import _EventType
+
+    results = prof.profiler.kineto_results
+    stack = list(results.experimental_event_tree())
+    allocs = []
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            f = e.extra_fields
+            allocs.append((e.start_time_ns, f.ptr, f.alloc_size))
+    allocs.sort()
+    # A free counts only when its block was allocated inside the window: blocks of
+    # earlier cases in this process (freed late, e.g. by the garbage collector) and
+    # blocks from before the profiler do not belong to this case.
+    live, series, mine = 0, [], {}
+    for t, ptr, n in allocs:
+        if n > 0:
+            mine[ptr] = n
+        elif ptr in mine:
+            n = -mine.pop(ptr)
+        else:
+            continue
+        live += n
+        series.append((t, live))
+    events = results.events()
+    marks = [(e.name(), e.start_ns(), e.end_ns()) for e in events if e.name().startswith("bench.")]
+    return series, marks, set(mine)
+
+
+def _live_at(series: list[tuple[int, int]], t: int) -> int:
+    out = 0
+    for ts, v in series:
+        if ts > t:
+            break
+        out = v
+    return out
+
+
+def memory_pass(example: str, plan: Any, steps: int) -> tuple[Any, Any, dict[str, Any]]:
+    """Build the case under the profiler and run ``steps`` steps; the peak of the later ones.
+
+    Returns the ParallelModel and batch (for the timed steps) and this rank's figures.
+    """
+    from runtime.measure import _state_bytes
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("bench.build"):
+            pm, batch = _build(example, plan)
+        gc.collect()
+        with record_function("bench.built"):
+            pass
+        restore = _mark(pm)
+        step = _stepper(pm, batch)
+        for k in range(steps):
+            dist.barrier()
+            with record_function(f"{_STEP}{k}"):
+                step()
+        restore()
+    series, marks, live = _live_series(prof)
+    spans = {n: (a, b) for n, a, b in marks if n.startswith(_STEP)}
+    step_peaks = [
+        max((v for t, v in series if a <= t <= b), default=0)
+        for a, b in (spans[f"{_STEP}{k}"] for k in range(steps))
+    ]
+    # Steady state: the first step allocates the optimizer state and the pipeline's
+    # buffers, the second rebuilds DDP's buckets (in gradient-ready order).
+    lo = spans[f"{_STEP}{min(_FIRST_STEADY, steps - 1)}"][0]
+    hi = spans[f"{_STEP}{steps - 1}"][1]
+    peak, at = 0, lo
+    for t, v in series:
+        if lo <= t <= hi and v > peak:
+            peak, at = v, t
+    # Where the peak fell: the innermost action span holding it.
+    inside = [(b - a, n) for n, a, b in marks if a <= at <= b and not n.startswith(_STEP)]
+    where = min(inside)[1].removeprefix("bench.") if inside else "between actions"
+    built = next(a for n, a, _ in marks if n == "bench.built")
+    outside = _held_outside(pm, live)
+    return (
+        pm,
+        batch,
+        {
+            "peak_bytes": peak - outside,
+            "peak_total_bytes": peak,
+            "step_peaks_bytes": step_peaks,
+            "held_outside_stage_bytes": outside,
+            "peak_at": where,
+            "live_after_build_bytes": _live_at(series, built),
+            "live_at_step_start_bytes": _live_at(series, lo),
+            "state_bytes": _state_bytes(pm),
+            "ddp_bucket_bytes": _ddp_bucket_bytes(pm),
+        },
+    )
+
+
+def _held_outside(pm: Any, live: set[int]) -> int:
+    """Bytes of parameters and buffers that modules other than this rank's stage hold,
+    among the blocks the case allocated (``live``: their addresses).
+
+    [Note: parameters held outside the stage] ``pipeline()`` splits the whole
+    model on every rank; the ``PipelineStage`` keeps the split graph, so other
+    stages' modules (and copies it made of tied weights) stay alive, never used.
+    They are the runtime's, not the stage's: the peak is reported with and
+    without them, and the error is on the stage's own.
+    """
+    own = {
+        t.untyped_storage().data_ptr()
+        for t in [*pm.stage.module.parameters(), *pm.stage.module.buffers()]
+    }
+    seen: set[int] = set()
+    total = 0
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.nn.Module):
+            continue
+        for t in [*obj._parameters.values(), *obj._buffers.values()]:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            try:
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+            except RuntimeError:  # fake or meta tensors of traced graphs
+                continue
+            if ptr in live and ptr not in own and ptr not in seen:
+                seen.add(ptr)
+                total += storage.nbytes()
+    return total
+
+
+def _ddp_bucket_bytes(pm: Any) -> int:
+    """Bytes of DDP's gradient buckets, from DDP's own logging data (0 without DDP)."""
+    if not pm.stage.ddp:
+        return 0
+    try:
+        data = pm.stage.wrapped._get_ddp_logging_data()
+        sizes = str(data.get("bucket_sizes", ""))
+        return sum(int(x) for x in sizes.split(",") if x.strip())
+    except Exception:  # private API: the figure is informative only
+        return -1
+
+
+# --------------------------------------------------------------------------- accuracy
+
+
+def accuracy_worker(cases: list[dict[str, Any]], opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Case by case: planned here, its memory measured, then its steps timed (consecutive
+    steps of one model, as in training); rank 0 returns the figures."""
+    _init()
+    out = []
+    for case in cases:
+        r = _prepare(case, opts)
+        corun = corun_check(r["threads"]) if dist.get_world_size() > 1 else None
+        faults: list[int] = []
+        t0 = time.perf_counter()
+        r["times"] = alternate(
+            {"step": _count_faults(r["step"], faults)},
+            repeats=opts["repeats"],
+            warmup=opts["warmup"],
+            max_rounds=opts["max_rounds"],
+            budget_s=opts["budget_s"],
+        )
+        r["faults"] = faults
+        out.append(_finish(r, opts, corun, time.perf_counter() - t0))
+    return out
+
+
+def _prepare(case: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
+    """Plan the case (rank 0), build it and measure its memory; a recorder on it."""
+    from planner.cluster import Cluster
+    from runtime.measure import Recorder
+
+    pp, dp, m = case["config"]
+    with env(case["env"]):
+        plan, plan_load = _plan_here(lambda: make_plan(case["example"], case["batch"], pp, dp, m))
+        threads = Cluster.from_dict(plan.cluster).devices[0].threads or 1
+        torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        pm, batch, mem = memory_pass(case["example"], plan, opts["memory_steps"])
+    return {
+        "name": case["name"],
+        "plan": plan,
+        "plan_load": plan_load,
+        "threads": threads,
+        "pm": pm,
+        "step": _stepper(pm, batch),
+        "recorder": Recorder(pm, warmup_steps=opts["warmup"]),
+        "memory": mem,
+        "memory_s": time.perf_counter() - t0,
+    }
+
+
+def _finish(
+    r: dict[str, Any], opts: dict[str, Any], corun: dict[str, float] | None, timing_s: float
+) -> dict[str, Any]:
+    """Gather one case's figures on rank 0 (collectives) and free the case."""
+    rec, pm, mem, plan = r.pop("recorder"), r.pop("pm"), r["memory"], r["plan"]
+    result = rec.gather()
+    own = rec.record()
+    mem["rss_peak_bytes"], mem["rss_method"] = own.peak_bytes, own.memory_method
+    rec.close()
+    mem["minor_faults_per_step"] = statistics.median(
+        r["faults"][opts["warmup"] :] or r["faults"] or [0]
+    )
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(
+        {"rank": dist.get_rank(), "stage": pm.mesh.stage, "replica": pm.mesh.replica, **mem},
+        parts,
+        dst=0,
+    )
+    del pm, r["step"]
+    gc.collect()
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return {}
+    assert result is not None and parts is not None
+    counted = set(result.counted)
+    stages = []
+    for s in range(plan.pp):
+        fig = result.stage_figures(s)
+        opt = [
+            iv.ms
+            for rr in result.records
+            if rr.stage == s
+            for iv in rr.intervals
+            if iv.kind == "optimizer" and iv.step in counted
+        ]
+        fig["optimizer_ms"] = statistics.median(opt) if opt else 0.0
+        stages.append(fig)
+    return {
+        "name": r["name"],
+        "plan": plan,
+        "plan_load": r["plan_load"],
+        "threads": r["threads"],
+        "times": r["times"],
+        "corun": corun,
+        "recorder_step_ms": result.step_ms,
+        "stages": stages,
+        "ranks": parts,
+        "memory_s": r["memory_s"],
+        "timing_s": timing_s,
+    }
+
+
+# --------------------------------------------------------------------------- plan quality
+
+
+def quality_worker(cases: list[dict[str, Any]], opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per case: our plan (pp = 2) and the uniform split of it, in the same processes,
+    stepping in turn."""
+    from planner.baselines import uniform
+
+    _init()
+    out = []
+    for case in cases:
+        with env(case["env"]):
+
+            def both(case: dict[str, Any] = case) -> dict[str, Any]:
+                ours = make_plan(case["example"], case["batch"], 2, 1, case["m"])
+                n = len(ours.profiles[0].blocks)
+                return {"ours": ours, "uniform": with_starts(ours, list(uniform(n, 2)))}
+
+            plans, plan_load = _plan_here(both)
+            torch.set_num_threads(1)
+            runs = {k: _build(case["example"], p) for k, p in plans.items()}
+            steps = {k: _stepper(pm, b) for k, (pm, b) in runs.items()}
+            times = alternate(
+                steps,
+                repeats=opts["repeats"],
+                warmup=opts["warmup"],
+                max_rounds=opts["max_rounds"],
+                budget_s=opts["budget_s"],
+            )
+        del runs, steps
+        gc.collect()
+        out.append({"name": case["name"], "plans": plans, "plan_load": plan_load, "times": times})
+    return out
