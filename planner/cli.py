@@ -192,6 +192,17 @@ def _add_show_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
     from planner import cache
+
+    for flag, value in (("--out", ns.out), ("--report", ns.report), ("--trace", ns.trace)):
+        _check_writable(flag, value)
+    # Cache entries (profiles, the local CPU's measured speed) are written only if
+    # the plan is written too.
+    with cache.deferred():
+        return _plan_with(ns)
+
+
+def _plan_with(ns: argparse.Namespace) -> int:
+    from planner import cache
     from planner.api import PlanOptions, plan_model
     from planner.cluster import from_gpus, load_cluster
     from planner.cost import Training
@@ -210,8 +221,6 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         if gpus < 1:
             raise ValueError(f"--gpus must be ≥ 1, got {gpus}")
         cluster = from_gpus(gpus, ns.device_type)
-    for flag, value in (("--out", ns.out), ("--report", ns.report), ("--trace", ns.trace)):
-        _check_writable(flag, value)
     mf = load_model_file(ns.model_file)
     batch = ns.batch_size or mf.batch_size
     options = PlanOptions(

@@ -545,10 +545,14 @@ class CostModel:
         return 2 * largest / self.param_elem * 4  # per tensor: two of the largest, fp32
 
     def _recompute(self, s: int, i: int, j: int) -> bool:
-        """Recompute only when the stage does not fit without it (and does with it)."""
-        if self.memory(s, i, j).total <= self.capacity[s]:
-            return False
-        return self.memory(s, i, j, True).total <= self.capacity[s]
+        """Recompute exactly when the stage does not fit without it.
+
+        Also when it does not fit with it either: that segment is infeasible anyway,
+        and costing it with recompute keeps a segment's work at least its parts'
+        (the partition heuristic's bisection relies on that), and its memory the
+        smaller figure the user would have to fit.
+        """
+        return self.memory(s, i, j).total > self.capacity[s]
 
     # ----------------------------------------------------------------- communication
 
@@ -661,9 +665,9 @@ class CostModel:
     ) -> PartitionProblem:
         """The ``PartitionProblem`` for this layout (the closed-form objective).
 
-        A stage that does not fit without recompute is costed with it, when
-        that fits: the cheaper choice that fits is always the right one for a
-        single stage, so the ILP never needs a recompute variable.
+        A stage that does not fit without recompute is costed with it: the
+        cheaper choice that fits is always the right one for a single stage, so
+        the ILP never needs a recompute variable.
         """
 
         def work(s: int, i: int, j: int) -> float:
@@ -671,11 +675,7 @@ class CostModel:
             return self._fwd(s, i, j) + self._bwd(s, i, j, rc)
 
         def mem(s: int, i: int, j: int) -> float:
-            m0 = self.memory(s, i, j).total
-            if m0 <= self.capacity[s]:
-                return m0
-            m1 = self.memory(s, i, j, True).total
-            return m1 if m1 <= self.capacity[s] else m0
+            return self.memory(s, i, j, self._recompute(s, i, j)).total
 
         def cut(s: int, j: int) -> float:
             f, b = self.cut(s, j)

@@ -206,6 +206,18 @@ def test_recompute_only_when_it_is_needed() -> None:
     assert tight._bwd(0, 0, 2, True) - tight._bwd(0, 0, 2, False) == pytest.approx(1.0 + 2.0)
 
 
+def test_a_segment_that_fits_neither_way_is_costed_with_recompute() -> None:
+    # 50 MiB: stage 0's blocks 0..2 fit neither without (104) nor with recompute (56).
+    cm = _model(pp=2, m=4, prof=_profile(), memory_headroom=0.0)
+    cm.capacity = [50 * MB, 50 * MB]
+    assert cm._recompute(0, 0, 2)
+    problem = cm.problem()
+    # Its memory is the smaller figure, and its work at least any part's (the
+    # partition heuristic's bisection relies on that).
+    assert problem.seg_memory(0, 0, 2) == cm.memory(0, 0, 2, True).total
+    assert problem.seg_work(0, 0, 2) >= max(problem.seg_work(0, 0, 1), problem.seg_work(0, 1, 2))
+
+
 def test_cut_and_sync_use_the_cluster_links() -> None:
     cm = _model(pp=2, dp=2, m=2)
     f, b = cm.cut(0, 2)
