@@ -84,6 +84,11 @@ def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
 # --------------------------------------------------------------------------- one block
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """A storage's identity (``data_ptr()`` is 0 for every meta tensor)."""
+    return t.untyped_storage()._cdata
+
+
 class _BlockRunner:
     """Runs one block alone: forward, backward, saved bytes, analytic cost."""
 
@@ -103,8 +108,8 @@ class _BlockRunner:
                 value = value.detach().requires_grad_(needs_grad.get(node, False))
             self.inputs.append(value)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self._exclude = {t.untyped_storage().data_ptr() for t in self.module.parameters()}
-        self._exclude |= {t.untyped_storage().data_ptr() for t in self.module.buffers()}
+        self._exclude = {_storage_key(t) for t in self.module.parameters()}
+        self._exclude |= {_storage_key(t) for t in self.module.buffers()}
         self.saved_bytes = 0
         self.saved_inputs: set[int] = set()
         self.saved_outputs: set[int] = set()
@@ -123,12 +128,19 @@ class _BlockRunner:
         wrt = self.params + [
             t for t in self.inputs if isinstance(t, torch.Tensor) and t.requires_grad
         ]
+        self.seed_grads(outs)
+        torch.autograd.grad(diff, wrt, self._grads, allow_unused=True)
+
+    def seed_grads(self, outs: Sequence[Any]) -> None:
+        """The output gradients the backward starts from (made once; none on meta)."""
         if self._grads is None:
             gen = torch.Generator().manual_seed(self.block.index)
             self._grads = [
-                torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in diff
+                torch.empty_like(o)
+                if o.is_meta
+                else torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)
+                for o in self.differentiable(outs)
             ]
-        torch.autograd.grad(diff, wrt, self._grads, allow_unused=True)
 
     def cost(self, device: Device, dtype: str | None) -> tuple[Any, Any]:
         """One forward + backward under OpCostMode; records what the forward saves.
@@ -144,9 +156,7 @@ class _BlockRunner:
         """
         mode = OpCostMode(device, dtype_override=dtype)
         inputs = {
-            t.untyped_storage().data_ptr(): k
-            for k, t in enumerate(self.inputs)
-            if isinstance(t, torch.Tensor)
+            _storage_key(t): k for k, t in enumerate(self.inputs) if isinstance(t, torch.Tensor)
         }
         seen: set[int] = set()
         total = 0
@@ -154,7 +164,7 @@ class _BlockRunner:
         def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal total
             storage = t.untyped_storage()
-            ptr = storage.data_ptr()
+            ptr = _storage_key(t)
             if ptr in self._exclude or ptr in seen:
                 return t
             seen.add(ptr)
@@ -171,10 +181,11 @@ class _BlockRunner:
             self.saved_outputs = {
                 k
                 for k, o in enumerate(outs)
-                if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in seen
+                if isinstance(o, torch.Tensor) and _storage_key(o) in seen
             }
-            with mode.phase("bwd"):
-                self.backward(outs)
+        self.seed_grads(outs)  # outside the mode: making the seed is not the block's work
+        with mode, mode.phase("bwd"):
+            self.backward(outs)
         self.saved_bytes = total
         from planner.opcost import OpCost
 

@@ -200,3 +200,12 @@ def test_loaded_rounds_are_left_out() -> None:
     busy = _Load()
     busy.shares = [0.5, 0.3, 0.9, 0.4]  # none quiet: the least loaded half
     assert busy.selection() == [1, 3]
+
+
+def test_analytic_profiles_of_a_meta_model_equal_those_of_cpu_tensors() -> None:
+    # A model too big for RAM is profiled on the meta device: every storage's data_ptr()
+    # is 0 there, so saved tensors must be told apart another way, and the backward's
+    # seed must not be counted as the block's work.
+    from bench.bench_plan import meta_profiling_problem
+
+    assert meta_profiling_problem() == ""
