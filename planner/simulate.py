@@ -222,12 +222,33 @@ def simulate(
                 events.append(Event(s, "send_B", k, t0, t1))
             arrive[("B", s - 1, k)] = t1
 
+    shared = any(r != 1.0 for r in rate)
+    if not shared:
+        # Stages that do not share a machine: each action starts once its stage is free
+        # and its input has arrived, and takes its own time (list scheduling, fast).
+        remaining = sum(len(a) for a in actions)
+        while remaining:
+            progressed = False
+            for s in range(p):
+                if nxt[s] >= len(actions[s]):
+                    continue
+                t_in = ready(s)
+                if t_in is None:
+                    continue
+                act = actions[s][nxt[s]]
+                start = max(stage_free[s], t_in)
+                nxt[s] += 1
+                finish(s, act, start, start + (fwd[s] if act[0] == "F" else bwd[s]))
+                remaining -= 1
+                progressed = True
+            if not progressed:
+                break
     # Event-driven: the stages computing at once share the machine (``speed``), so
     # an action's end depends on what else runs meanwhile. running: stage -> [action,
     # start, work left (ms alone)].
     running: dict[int, list] = {}
     now = 0.0
-    while True:
+    while shared:
         for s in range(p):
             if s in running or nxt[s] >= len(actions[s]):
                 continue

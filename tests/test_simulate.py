@@ -115,3 +115,27 @@ def test_shared_cores_slow_the_stages_that_compute_at_once() -> None:
     assert full.step_ms == simulate(fwd=[1, 1], bwd=[1, 1], micro_batches=2).step_ms == 6
     with pytest.raises(ValueError, match="speed"):
         simulate(fwd=[1, 1], bwd=[1, 1], micro_batches=2, speed=[1.0])
+
+
+def test_the_fast_path_without_shared_cores_matches_the_event_driven_one() -> None:
+    import random
+
+    from planner.simulate import simulate
+
+    rng = random.Random(7)
+    for _ in range(40):
+        p, m = rng.randint(1, 5), rng.randint(1, 9)
+        kw = dict(
+            fwd=[rng.uniform(0.5, 3) for _ in range(p)],
+            bwd=[rng.uniform(1, 6) for _ in range(p)],
+            micro_batches=m,
+            schedule=rng.choice(["gpipe", "1f1b"]),
+            link_fwd=[rng.uniform(0, 1) for _ in range(p - 1)],
+            link_bwd=[rng.uniform(0, 1) for _ in range(p - 1)],
+            sync=[rng.uniform(0, 2) for _ in range(p)],
+            reduce=[rng.uniform(0, 1) for _ in range(p)],
+        )
+        fast = simulate(**kw)  # every speed 1.0: list scheduling
+        events = simulate(**kw, speed=[1.0 - 1e-12] * p)  # the event-driven loop
+        assert fast.step_ms == pytest.approx(events.step_ms, rel=1e-9)
+        assert len(fast.events) == len(events.events)
