@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench._common import table, write_json
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "accuracy.json"
 
@@ -80,23 +82,6 @@ def settings(quick: bool, memory_only: bool = False) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- printing
-
-
-def table(title: str, head: list[str], rows: list[list[Any]]) -> None:
-    cells = [[_fmt(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(head)]
-    print(f"\n{title}")
-    print("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
-    for r in cells:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
-
-
-def _fmt(c: Any) -> str:
-    if isinstance(c, float):
-        if c != c:
-            return "—"
-        return f"{c:.3g}" if abs(c) < 10 else f"{c:.1f}"
-    return str(c)
 
 
 def _pct(x: float) -> str:
@@ -436,8 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "the whole machine's busy share over the run (ours included). Times in ms unless "
         "named _s.",
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    write_json(args.out, result)
     print(f"\nwrote {args.out} in {time.perf_counter() - t0:.0f} s")
     return 0
 

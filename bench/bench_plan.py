@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import math
 import os
 import platform
@@ -45,6 +44,8 @@ import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from bench._common import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "plan.json"
@@ -469,9 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "summary": summary,
     }
-    path = Path(ns.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    path = write_json(ns.out, out)
     print(f"wrote {path} ({wall:.0f} s)")
     return 0
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -43,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench._common import table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "runtime.json"
@@ -70,21 +71,6 @@ def med(xs: list[float]) -> float:
 
 def ms(xs: list[float]) -> float:
     return med(xs) * 1e3
-
-
-def table(title: str, head: list[str], rows: list[list[Any]]) -> None:
-    cells = [[_fmt(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(head)]
-    print(f"\n{title}")
-    print("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
-    for r in cells:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
-
-
-def _fmt(c: Any) -> str:
-    if isinstance(c, float):
-        return f"{c:.3g}" if abs(c) < 10 else f"{c:.1f}"
-    return str(c)
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -688,8 +674,7 @@ def main() -> None:
         "allocator": alloc,
         "predicted_vs_measured": pred,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    write_json(args.out, result)
     print(f"\nwrote {args.out} in {time.perf_counter() - t0:.0f} s")
 
 

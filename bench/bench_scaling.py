@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import random
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from bench._common import write_json
 from bench.bench_plan import knobs, meta_profiling_problem, to_device
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -355,9 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "search": rows,
         "end_to_end": e2e,
     }
-    path = Path(ns.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    path = write_json(ns.out, out)
     print(f"wrote {path} ({wall:.0f} s)")
     return 0
 

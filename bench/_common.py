@@ -1,0 +1,33 @@
+"""What the benchmarks share: plain-text tables and the results files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def table(title: str, head: list[str], rows: list[list[Any]]) -> None:
+    """Print ``rows`` under ``head``, right-aligned, after a blank line and ``title``."""
+    cells = [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(head)]
+    print(f"\n{title}")
+    print("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+
+
+def _fmt(c: Any) -> str:
+    if isinstance(c, float):
+        if c != c:
+            return "—"
+        return f"{c:.3g}" if abs(c) < 10 else f"{c:.1f}"
+    return str(c)
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """Write a results file (its folder made as needed); values JSON lacks become strings."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    return path
