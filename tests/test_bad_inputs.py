@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pulp
 import pytest
+import test_profile
 import torch
 import torch.nn.functional as F
 import yaml
@@ -437,21 +438,9 @@ def case05_batchnorm_with_micro_batches_warns(env: Env) -> None:
 # --------------------------------------------------------------------------- 6. model untouched
 
 
-class _Net(nn.Module):
-    """BatchNorm (running statistics), dropout (RNG) and a skip connection."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, 32)
-        self.bn = nn.BatchNorm1d(32)
-        self.drop = nn.Dropout(0.5)
-        self.mid = nn.Linear(32, 32)
-        self.out = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        y = self.mid(self.drop(torch.relu(self.bn(h))))
-        return self.out(y + h)
+# The model of test_profile's model-unchanged tests: BatchNorm statistics, dropout's
+# RNG and a skip connection.
+_Net = test_profile.Net
 
 
 def _state(model: nn.Module) -> dict[str, object]:
