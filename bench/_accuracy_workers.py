@@ -81,11 +81,10 @@ def make_plan(example: str, batch: int, pp: int, dp: int, m: int) -> Any:
     Call inside ``env(...)`` of the example. Adam (``planner run``'s default); the
     schedule is the planner's choice.
     """
-    from planner.api import PlanOptions, plan_model
-    from planner.cluster import from_gpus
-    from planner.cost import Training
-    from planner.modelfile import load_model_file
-    from planner.search import SearchOptions
+    from planner.devices import from_gpus
+    from planner.options import PlanOptions, SearchOptions, Training
+    from planner.plan.modelfile import load_model_file
+    from planner.planning import plan_model
 
     mf = load_model_file(example_path(example))
     torch.manual_seed(0)
@@ -119,9 +118,10 @@ def layout_of(plan: Any) -> Any:
 
 def cost_model(plan: Any) -> Any:
     """The current cost model for ``plan``'s layout, from the profiles the plan carries."""
-    from planner.cluster import Cluster
-    from planner.cost import CostModel, Training
-    from planner.scaling import at_batch_size
+    from planner.cost import CostModel
+    from planner.devices import from_record
+    from planner.options import Training
+    from planner.profile.sizes import at_batch_size
 
     by_device: dict[str, list[Any]] = {}
     for p in plan.profiles:
@@ -130,7 +130,7 @@ def cost_model(plan: Any) -> Any:
     training = Training(
         global_batch=plan.global_batch, optimizer=plan.optimizer, precision=plan.precision
     )
-    return CostModel(profs, Cluster.from_dict(plan.cluster), training, layout_of(plan))
+    return CostModel(profs, from_record(plan.cluster), training, layout_of(plan))
 
 
 def starts_of(plan: Any) -> list[int]:
@@ -139,31 +139,11 @@ def starts_of(plan: Any) -> list[int]:
 
 def with_starts(plan: Any, starts: list[int]) -> Any:
     """``plan`` with its stages moved to ``starts``, re-priced by the current cost model."""
-    from planner.plan import StagePlan
+    from planner.planning import predicted, stage_plans
 
     pred = cost_model(plan).predict(starts)
-    blocks = plan.profiles[0].blocks
-    stages = []
-    for sp, old in zip(pred.stages, plan.stages, strict=True):
-        i, j = sp.blocks
-        stages.append(
-            StagePlan(
-                index=sp.index,
-                split_point=blocks[i].name if sp.index else "",
-                blocks=(i, j),
-                modules=tuple(m for b in blocks[i:j] for m in b.modules),
-                ranks=old.ranks,
-                device=sp.device,
-                recompute=sp.recompute,
-                fwd_ms=sp.fwd_ms,
-                bwd_ms=sp.bwd_ms,
-                send_ms=sp.send_fwd_ms + sp.send_bwd_ms,
-                sync_ms=sp.sync_ms,
-                memory={**dataclasses.asdict(sp.memory), "total": sp.memory.total},
-            )
-        )
-    predicted = {**plan.predicted, "step_ms": pred.step_ms}
-    return dataclasses.replace(plan, stages=tuple(stages), predicted=predicted)
+    stages = stage_plans(pred, plan.profiles[0], [s.ranks for s in plan.stages])
+    return dataclasses.replace(plan, stages=stages, predicted=predicted(pred), step=pred.inputs)
 
 
 def _plan_here(make: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
@@ -190,7 +170,7 @@ def _adam(params: Any) -> torch.optim.Optimizer:
 
 def _build(example: str, plan: Any) -> tuple[Any, Any]:
     """(ParallelModel, batch) of ``plan`` for the example; the full model is dropped."""
-    from planner.modelfile import load_model_file
+    from planner.plan.modelfile import load_model_file
     from runtime.engine import ParallelModel
 
     mf = load_model_file(example_path(example))
@@ -331,7 +311,7 @@ def memory_pass(example: str, plan: Any, steps: int) -> tuple[Any, Any, dict[str
 
     Returns the ParallelModel and batch (for the timed steps) and this rank's figures.
     """
-    from runtime.measure import _state_bytes
+    from runtime.measure.memory import stage_state_bytes
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("bench.build"):
@@ -376,7 +356,7 @@ def memory_pass(example: str, plan: Any, steps: int) -> tuple[Any, Any, dict[str
             "peak_at": where,
             "live_after_build_bytes": _live_at(series, built),
             "live_at_step_start_bytes": _live_at(series, lo),
-            "state_bytes": _state_bytes(pm),
+            "state_bytes": stage_state_bytes(pm),
             "ddp_bucket_bytes": _ddp_bucket_bytes(pm),
         },
     )
@@ -454,13 +434,13 @@ def accuracy_worker(cases: list[dict[str, Any]], opts: dict[str, Any]) -> list[d
 
 def _prepare(case: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
     """Plan the case (rank 0), build it and measure its memory; a recorder on it."""
-    from planner.cluster import Cluster
+    from planner.devices import from_record
     from runtime.measure import Recorder
 
     pp, dp, m = case["config"]
     with env(case["env"]):
         plan, plan_load = _plan_here(lambda: make_plan(case["example"], case["batch"], pp, dp, m))
-        threads = Cluster.from_dict(plan.cluster).devices[0].threads or 1
+        threads = from_record(plan.cluster).devices[0].threads or 1
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
         pm, batch, mem = memory_pass(case["example"], plan, opts["memory_steps"])
@@ -535,7 +515,7 @@ def _finish(
 def quality_worker(cases: list[dict[str, Any]], opts: dict[str, Any]) -> list[dict[str, Any]]:
     """Per case: our plan (pp = 2) and the uniform split of it, in the same processes,
     stepping in turn."""
-    from planner.baselines import uniform
+    from planner.search.baselines import uniform
 
     _init()
     out = []

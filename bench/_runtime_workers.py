@@ -262,7 +262,7 @@ def build(spec: dict[str, Any]) -> nn.Module:
     torch.manual_seed(0)
     if spec["kind"] == "stack":
         return Stack(spec["n"], spec["width"])
-    from planner.modelfile import load_model_file
+    from planner.plan.modelfile import load_model_file
 
     gpt = load_model_file(Path(__file__).resolve().parents[1] / "examples" / "gpt.py").module
     return gpt.build_model(**spec["kw"])

@@ -147,12 +147,12 @@ def assess(case: dict[str, Any], meas: dict[str, Any], plan: Any) -> dict[str, A
     """``plan``'s predictions against the measured figures, for one case."""
     ms, info = _quiet_ms(meas["times"])
     step_meas = ms["step"]
-    step_pred = float(plan.predicted["step_ms"])
+    step_pred = float(plan.predicted.step_ms)
     stages = []
     for st in plan.stages:
         ranks = [r for r in meas["ranks"] if r["stage"] == st.index]
         peak = max(r["peak_bytes"] for r in ranks)
-        mem_pred = float(st.memory["total"])
+        mem_pred = float(st.memory.total)
         got = meas["stages"][st.index]
         stages.append(
             {
@@ -270,7 +270,7 @@ def run_quality(quick: bool) -> list[dict[str, Any]]:
         ours, uni = r["plans"]["ours"], r["plans"]["uniform"]
         raw = info["raw_ms"]
         pairs = [u / o for u, o in zip(raw["uniform"], raw["ours"], strict=True)]
-        pred = uni.predicted["step_ms"] / ours.predicted["step_ms"]
+        pred = uni.predicted.step_ms / ours.predicted.step_ms
         d = {
             "name": c["name"],
             "env": c["env"],
@@ -283,7 +283,7 @@ def run_quality(quick: bool) -> list[dict[str, Any]]:
             "ours_blocks": [list(s.blocks) for s in ours.stages],
             "uniform_blocks": [list(s.blocks) for s in uni.stages],
             "ms": ms,
-            "predicted_ms": {k: p.predicted["step_ms"] for k, p in r["plans"].items()},
+            "predicted_ms": {k: p.predicted.step_ms for k, p in r["plans"].items()},
             "measured_ratio": ms["uniform"] / ms["ours"],
             "median_pair_ratio": statistics.median(pairs),
             "predicted_ratio": pred,

@@ -193,7 +193,8 @@ def meta_profiling_problem() -> str:
     import torch
     from torch import nn
 
-    from planner.profile import ProfileOptions, profile_model
+    from planner.options import ProfileOptions
+    from planner.profile import profile_model
 
     x, y = torch.randn(4, 16), torch.randint(0, 4, (4,))
     profs = []
@@ -221,7 +222,7 @@ def meta_profiling_problem() -> str:
 
 
 def _cluster(name: str) -> Any:
-    from planner.cluster import from_gpus, load_cluster
+    from planner.devices import from_gpus, load_cluster
 
     path = CLUSTERS[name]
     return from_gpus(8, "cpu") if path is None else load_cluster(ROOT / "examples/clusters" / path)
@@ -240,7 +241,7 @@ def to_device(device: str, tree: Any) -> Any:
 
 
 def _baseline_starts(name: str, prof: Any, pp: int) -> tuple[int, ...]:
-    from planner import baselines as bl
+    from planner.search import baselines as bl
 
     if name == "uniform":
         return bl.uniform(len(prof.blocks), pp)
@@ -261,7 +262,7 @@ def compare(plan: Any, cluster: Any, training: Any, search_options: Any) -> dict
     mixed cluster the A100's), as a user profiling on one device would.
     """
     from planner.cost import CostModel, Layout
-    from planner.scaling import at_batch_size
+    from planner.profile.sizes import at_batch_size
     from planner.search import configurations, layouts
 
     anchors: dict[str, list[Any]] = {}
@@ -279,7 +280,7 @@ def compare(plan: Any, cluster: Any, training: Any, search_options: Any) -> dict
         types = sorted({cluster.devices[r].device.key for st in layout.ranks for r in st})
         return CostModel({t: profile_for(t, b) for t in types}, cluster, training, layout)
 
-    ours_ms = plan.predicted["step_ms"]
+    ours_ms = plan.predicted.step_ms
     ours = Layout(
         pp=plan.pp,
         dp=plan.dp,
@@ -337,11 +338,9 @@ def row(example: str, cluster_name: str, *, quick: bool, large: bool) -> dict[st
     """Plan one example on one cluster and price the baselines against it."""
     import torch
 
-    from planner.api import PlanOptions, plan_model
-    from planner.cost import Training
-    from planner.modelfile import load_model_file
-    from planner.profile import ProfileOptions
-    from planner.search import SearchOptions
+    from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
+    from planner.plan.modelfile import load_model_file
+    from planner.planning import plan_model
 
     cluster = _cluster(cluster_name)
     analytic = CLUSTERS[cluster_name] is not None
@@ -381,15 +380,15 @@ def row(example: str, cluster_name: str, *, quick: bool, large: bool) -> dict[st
         "devices": n,
         "profile": "analytic" if analytic else "measured",
         "size": f"large: {knob_text}" if env else "default",
-        "parameters": plan.model["parameters"],
-        "blocks": plan.model["blocks"],
+        "parameters": plan.model.parameters,
+        "blocks": plan.model.blocks,
         "target_blocks": _target_blocks(analytic),
         "global_batch": batch,
         "precision": training.precision,
         "ours": {
             "config": _config(plan),
             "pp": plan.pp,
-            "step_ms": plan.predicted["step_ms"],
+            "step_ms": plan.predicted.step_ms,
             "solver": plan.solver.status,
             "plan_s": plan_s,
         },

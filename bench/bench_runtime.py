@@ -90,10 +90,9 @@ def make_plans(quick: bool) -> dict[str, Any]:
     import torch
 
     from bench import _runtime_workers as w
-    from planner.api import PlanOptions, plan_model
-    from planner.cluster import from_gpus
-    from planner.cost import Training
-    from planner.search import SearchOptions
+    from planner.devices import from_gpus
+    from planner.options import PlanOptions, SearchOptions, Training
+    from planner.planning import plan_model
 
     def plan(spec: dict, B: int, m: int, cluster: Any, pp: int = 2, dp: int = 1) -> Any:
         model = w.build(spec)
@@ -110,7 +109,10 @@ def make_plans(quick: bool) -> dict[str, Any]:
         )
 
     def at(p: Any, B: int, m: int) -> Any:
-        return dataclasses.replace(p, global_batch=B, micro_batches=m, micro_batch_size=B // m)
+        training = dataclasses.replace(
+            p.training, global_batch=B, micro_batches=m, micro_batch_size=B // m
+        )
+        return dataclasses.replace(p, training=training, step=None)  # re-timed: no replay
 
     threads = torch.get_num_threads()
     t0, b0 = time.perf_counter(), w.cpu_busy_s()
@@ -533,11 +535,12 @@ def _predict(
 ) -> float:
     """The cost model's step time for ``plan``'s own placement, with the per-action overhead,
     the loopback link (``link``: the measured p2p figures) and a compute factor replaced."""
-    from planner import cost as cost_mod
-    from planner.cluster import Cluster
-    from planner.cost import CostModel, Layout, Training
+    from planner.cost import CostModel, Layout
+    from planner.cost import stage_time as cost_mod
+    from planner.devices import from_record
+    from planner.options import Training
 
-    cluster = Cluster.from_dict(plan.cluster)
+    cluster = from_record(plan.cluster)
     if link is not None:
         bw, lat = link["bandwidth_Bps"], link["latency_batch_isend_irecv_s"]
         cluster = dataclasses.replace(
@@ -574,7 +577,7 @@ def predicted(
     for n in ("stack-m2", "stack-m4", "gpt-m4"):
         p = plans[n]
         meas = over[n]["ours_ms"]
-        pred = float(p.predicted["step_ms"])
+        pred = float(p.predicted.step_ms)
         bare = _predict(p, overhead_ms=0.0)
         new = _predict(p, overhead_ms=action, link=p2p_res)
         new_co = _predict(p, overhead_ms=action, link=p2p_res, corun=corun)

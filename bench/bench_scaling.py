@@ -112,7 +112,7 @@ def solve_record(solutions: Sequence[Any]) -> dict[str, Any]:
 
 def synthetic_profile(n_blocks: int, device: str, b: int, seed: int = 0) -> Any:
     """An LM-like chain at micro-batch ``b``: log-normal layers, heavy first and last blocks."""
-    from planner.records import BlockCost, ModelProfile
+    from planner.plan.records import BlockCost, ModelProfile
 
     rnd = random.Random(seed)
     blocks = []
@@ -146,13 +146,13 @@ def synthetic_profile(n_blocks: int, device: str, b: int, seed: int = 0) -> Any:
 def search_point(n_blocks: int, devices: int, solver: str, limit_s: float) -> dict[str, Any]:
     """One search on a synthetic chain; timings, configurations and the solver's proof."""
     import planner.search as ps
-    import planner.solve as solve
-    from planner.cluster import from_gpus
-    from planner.cost import Training
+    from planner.devices import from_gpus
+    from planner.options import SearchOptions, Training
+    from planner.search import loop
 
     cluster = from_gpus(devices, "h100")
     training = Training(global_batch=GLOBAL_BATCH)
-    options = ps.SearchOptions(solver=solver, time_limit_s=limit_s, keep=10**9)
+    options = SearchOptions(solver=solver, time_limit_s=limit_s, keep=10**9)
     memo: dict[tuple[str, int], Any] = {}
 
     def profile_for(device: str, b: int) -> Any:
@@ -163,11 +163,7 @@ def search_point(n_blocks: int, devices: int, solver: str, limit_s: float) -> di
     configs = ps.configurations(cluster, training, options, n_blocks)
     considered = sum(len(ps.layouts(cluster, pp, dp)) for pp, dp, _, _ in configs)
     out: dict[str, Any] = {"blocks": n_blocks, "devices": devices, "solver": solver}
-    with (
-        timed(ps, "solve_partition") as ilp,
-        timed(solve, "_run_highs") as highs,
-        timed(solve, "_run_cbc") as cbc,
-    ):
+    with timed(loop, "solve_partition") as ilp:
         t0 = time.perf_counter()
         try:
             res = ps.search(profile_for, cluster, training, options, n_blocks=n_blocks)
@@ -176,7 +172,7 @@ def search_point(n_blocks: int, devices: int, solver: str, limit_s: float) -> di
             out["error"] = str(exc).splitlines()[0]
         out["search_s"] = time.perf_counter() - t0
     out["ilp_s"] = ilp.seconds
-    out["solver_s"] = highs.seconds + cbc.seconds
+    out["solver_s"] = sum(r.solver_s for _, r in ilp.calls if r is not None)
     out["configurations"] = considered
     if res is not None:
         status: dict[str, int] = {}
@@ -204,12 +200,10 @@ def gpt_end_to_end(
     """
     import torch
 
-    import planner.api as api
-    from planner.cluster import from_gpus
-    from planner.cost import Training
-    from planner.modelfile import load_model_file
-    from planner.profile import ProfileOptions
-    from planner.search import SearchOptions
+    import planner.planning as api
+    from planner.devices import from_gpus
+    from planner.options import ProfileOptions, SearchOptions, Training
+    from planner.plan.modelfile import load_model_file
 
     meta = not meta_profiling_problem()
     if meta:  # a 2.7 B-class width, nothing allocated
@@ -242,8 +236,8 @@ def gpt_end_to_end(
         "model": f"gpt {layers} layers"
         + (", dim 2560, seq 1024, meta device" if meta else ", default width, CPU tensors"),
         "global_batch": batch,
-        "parameters": plan.model["parameters"],
-        "blocks": plan.model["blocks"],
+        "parameters": plan.model.parameters,
+        "blocks": plan.model.blocks,
         "devices": devices,
         "solver": solver,
         "profiles": len(prof.calls),

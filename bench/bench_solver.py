@@ -27,15 +27,12 @@ from typing import Any
 
 import pulp
 
-from planner import baselines, solve
-from planner.solve import (
-    PartitionProblem,
-    _Costs,
-    _heuristic,
-    _prune,
-    evaluate,
-    solve_partition,
-)
+from planner.search import baselines
+from planner.solve.feasible import heuristic
+from planner.solve.partition import solve_partition
+from planner.solve.problem import PartitionProblem
+from planner.solve.prune import PRUNE_ROUNDS, prune
+from planner.solve.segments import SegmentCosts, evaluate
 
 GB = 1e9
 
@@ -142,32 +139,15 @@ def run(
     label: str, n: int, stages: int, maker: Any, rounds: int, solver: str, seed: int, limit: float
 ) -> dict[str, object]:
     problem = maker(n, stages, seed=seed)
-    old = solve._ROUNDS, solve._run_highs, solve._run_cbc
-    timed = {"solver_s": 0.0}
-
-    def timer(run_solver: Any) -> Any:
-        def wrapped(*args: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return run_solver(*args)
-            finally:
-                timed["solver_s"] += time.perf_counter() - t
-
-        return wrapped
-
-    solve._ROUNDS = rounds or old[0]
-    solve._run_highs, solve._run_cbc = timer(old[1]), timer(old[2])
-    try:
-        t0 = time.perf_counter()
-        c = _Costs(problem)
-        inc = _heuristic(c)
-        assert inc is not None
-        t_heur = time.perf_counter() - t0
-        segs = _prune(c, c.objective(inc), inc)
-        t_prune = time.perf_counter() - t0 - t_heur
-        sol = solve_partition(problem, solver=solver, time_limit_s=limit)
-    finally:
-        solve._ROUNDS, solve._run_highs, solve._run_cbc = old
+    rounds = rounds or PRUNE_ROUNDS
+    t0 = time.perf_counter()
+    c = SegmentCosts(problem)
+    inc = heuristic(c)
+    assert inc is not None
+    t_heur = time.perf_counter() - t0
+    segs = prune(c, c.objective(inc), inc, rounds=rounds)
+    t_prune = time.perf_counter() - t0 - t_heur
+    sol = solve_partition(problem, solver=solver, time_limit_s=limit, prune_rounds=rounds)
     return {
         "case": label,
         "blocks": n,
@@ -179,7 +159,7 @@ def run(
         "solve_s": round(sol.solve_s, 3),
         "heuristic_s": round(t_heur, 3),
         "prune_s": round(t_prune, 3),
-        "solver_s": round(timed["solver_s"], 3),
+        "solver_s": round(sol.solver_s, 3),
         "segments": sol.n_segments,
         "rows": 2 * stages + sum(len(layer) for layer in segs.layers),
         "objective": sol.objective,

@@ -69,12 +69,11 @@ LOSS_WINDOW = 10
 
 def plan_for(workdir: Path) -> Path:
     """The pp 2 × dp 2 plan of the soak model, written to ``workdir/plan.yaml``."""
-    from planner.api import PlanOptions, plan_model
-    from planner.cluster import from_gpus
-    from planner.cost import Training
-    from planner.modelfile import load_model_file
+    from planner.devices import from_gpus
+    from planner.options import PlanOptions, SearchOptions, Training
     from planner.plan import save_plan
-    from planner.search import SearchOptions
+    from planner.plan.modelfile import load_model_file
+    from planner.planning import plan_model
 
     old = {k: os.environ.get(k) for k in MODEL_ENV}
     os.environ.update(MODEL_ENV)

@@ -27,13 +27,13 @@ __all__ = [
 
 _WHERE = {
     "auto_parallel": "planner.auto",
-    "profile_model": "planner.profile",
-    "ProfileOptions": "planner.profile",
-    "ModelProfile": "planner.records",
-    "Plan": "planner.plan",
-    "load_plan": "planner.plan",
-    "plan_model": "planner.api",
-    "PlanOptions": "planner.api",
+    "profile_model": "planner.profile.profiler",
+    "ProfileOptions": "planner.options",
+    "ModelProfile": "planner.plan.records",
+    "Plan": "planner.plan.schema",
+    "load_plan": "planner.plan.files",
+    "plan_model": "planner.planning",
+    "PlanOptions": "planner.options",
 }
 
 

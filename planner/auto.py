@@ -17,15 +17,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.api import PlanOptions, plan_model
-from planner.cluster import Cluster, from_gpus
-from planner.cost import Training
-from planner.modelfile import default_loss, normalize_inputs
-from planner.plan import Plan, load_plan
-from planner.profile import ProfileOptions
-from planner.search import SearchOptions
+from planner.devices.build import from_gpus
+from planner.devices.cluster import Cluster
+from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
+from planner.plan.batch import batch_size_of, normalize_inputs
+from planner.plan.default_loss import default_loss
+from planner.plan.files import load_plan
+from planner.plan.schema import Plan
+from planner.planning import plan_model
+from runtime.checks import default_backend
 from runtime.engine import ParallelModel
-from runtime.mesh import DEFAULT_TIMEOUT_S, default_backend
+from runtime.options import DEFAULT_TIMEOUT_S
 
 __all__ = ["PLAN_TIMEOUT_S", "auto_parallel"]
 
@@ -76,7 +78,7 @@ def auto_parallel(
             (sliced into micro-batches) and traced to split the model.
             ``inputs`` is a Tensor, a tuple (positional) or a dict (keyword).
         loss_fn: ``loss_fn(outputs, targets)``, a mean over the micro-batch
-            (default: ``planner.modelfile.default_loss``).
+            (default: ``planner.plan.default_loss.default_loss``).
         optimizer: builds the optimizer from a stage's parameters (default:
             Adam, lr 1e-3). The plan budgets memory for its kind (Adam, AdamW
             or SGD with momentum; others are budgeted as Adam).
@@ -150,7 +152,7 @@ def _resolve(
                 f"pp {pp} × dp {dp} = {pp * dp} processes, but this job has {world}; pin pp "
                 f"and dp whose product is {world}, or pin only one"
             )
-        batch = global_batch or _batch_size(sample)
+        batch = global_batch or batch_size_of(*normalize_inputs(sample[0]))
         options = PlanOptions(
             training=Training(
                 global_batch=batch, optimizer=_optimizer_name(make_opt), **training_kw
@@ -222,11 +224,3 @@ def _optimizer_name(make_opt: Callable[[Iterable[nn.Parameter]], torch.optim.Opt
             return name
     log.info("optimizer %s: memory budgeted as Adam's", type(probe).__name__)
     return "adam"
-
-
-def _batch_size(sample: tuple[Any, Any]) -> int:
-    args, kwargs = normalize_inputs(sample[0])
-    for t in (*args, *kwargs.values()):
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            return int(t.shape[0])
-    raise ValueError("the sample's inputs hold no tensor with a batch dimension (dim 0)")

@@ -1,10 +1,13 @@
-"""The ``planner`` command line: ``planner profile model.py`` (and, as they land, plan/show/run).
+"""The ``planner`` command line: ``planner profile|plan|show|run``.
 
-The CLI only parses arguments into the same option dataclasses the Python API
-takes, calls the API, and prints. Errors a user can fix print one message
-(what, why, how to fix) and exit with status 1; no traceback (``-v`` adds the
-original one). A failed ``planner plan`` leaves no files behind: no plan, and
-no profile-cache entry.
+The flags of every knob are generated from the option dataclasses
+(:mod:`planner.options`, :mod:`runtime.options`): the CLI parses into the same
+dataclasses the Python API takes, calls the API, and prints. Only what is the
+command line's own is declared here (the model file, where to write, the
+cluster flags). Errors a user can fix print one message (what, why, how to
+fix) and exit with status 1; no traceback (``-v`` adds the original one). A
+failed ``planner plan`` leaves no files behind: no plan, and no profile-cache
+entry.
 """
 
 from __future__ import annotations
@@ -12,21 +15,28 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from planner import __version__
+from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
+from planner.plan.fields import add_options, from_namespace
 
 if TYPE_CHECKING:
-    from planner.plan import Plan
+    from planner.plan.schema import Plan
 
 __all__ = ["main"]
 
 log = logging.getLogger("planner")
+
+_MODEL_FILE = "a model.py defining build_model() and sample_batch(n)"
+_PLAN_PROFILE = ("repeats", "warmup", "target_blocks", "cache")  # profile knobs `plan` takes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors a user fixes: bad input, a missing solver. (Evaluated only when something
     is raised, so PuLP, slow to import, is not loaded by ``planner --version``.)"""
-    from planner.solve import SolverUnavailable
+    from planner.solve.problem import SolverUnavailable
 
     return (ValueError, SolverUnavailable)
 
@@ -81,7 +91,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"planner {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_profile_parser(sub)
+    _add_plan_parser(sub)
+    _add_show_parser(sub)
+    from runtime.launch import add_run_parser
 
+    add_run_parser(sub)
+    return parser
+
+
+def _add_profile_parser(sub: Any) -> None:
     p = sub.add_parser(
         "profile",
         help="per-block forward/backward time and memory of a model file",
@@ -91,46 +110,19 @@ def _parser() -> argparse.ArgumentParser:
             "the model file runs its code."
         ),
     )
-    p.add_argument("model_file", help="a model.py defining build_model() and sample_batch(n)")
+    p.add_argument("model_file", help=_MODEL_FILE)
     p.add_argument(
         "--batch-size",
         type=int,
         default=None,
         help="micro-batch size to profile at (default: the file's BATCH_SIZE)",
     )
-    p.add_argument(
-        "--device-type",
-        default="local",
-        help="'local' to measure here (default), or a catalogue device for analytic costs "
-        "(h100, h200, a100-80gb, a100-40gb, v100-32gb, v100-16gb, l4)",
-    )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["fp32", "bf16", "fp16"],
-        help="analytic only: cost the model as if it ran in this dtype",
-    )
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds (median kept)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    p.add_argument("--threads", type=int, default=None, help="torch threads while measuring")
-    p.add_argument(
-        "--max-stages",
-        type=int,
-        default=64,
-        help="granularity: blocks fine enough to balance this many stages (default 64)",
-    )
-    p.add_argument("--no-cache", action="store_true", help="ignore and do not write the cache")
+    add_options(p, ProfileOptions)
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(func=_cmd_profile)
-    _add_plan_parser(sub)
-    _add_show_parser(sub)
-    from runtime.launch import add_run_parser
-
-    add_run_parser(sub)
-    return parser
 
 
-def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+def _add_plan_parser(sub: Any) -> None:
     p = sub.add_parser(
         "plan",
         help="find the fastest pipeline × data-parallel placement and write a plan file",
@@ -140,7 +132,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
             "plan (YAML) and prints the placement report. Loading the model file runs its code."
         ),
     )
-    p.add_argument("model_file", help="a model.py defining build_model() and sample_batch(n)")
+    p.add_argument("model_file", help=_MODEL_FILE)
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument(
         "--gpus",
@@ -150,39 +142,16 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     )
     where.add_argument("--cluster", default=None, help="a cluster YAML (nodes, types, links)")
     p.add_argument("--device-type", default=None, help="catalogue device for --gpus (e.g. h100)")
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=None,
-        help="global batch per optimizer step (default: the file's BATCH_SIZE)",
-    )
-    p.add_argument("--pp", type=int, default=None, help="pin the pipeline depth")
-    p.add_argument("--dp", type=int, default=None, help="pin the data-parallel width")
-    p.add_argument("--micro-batches", type=int, default=None, help="pin the micro-batch count")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default=None, help="pin the schedule")
-    p.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
-    p.add_argument("--precision", choices=["fp32", "bf16-mixed"], default="fp32")
-    p.add_argument(
-        "--memory-headroom",
-        type=float,
-        default=0.1,
-        help="share of device memory kept free (default 0.1)",
-    )
-    p.add_argument("--solver", choices=["highs", "cbc", "auto"], default="highs")
-    p.add_argument(
-        "--time-limit", type=float, default=60.0, help="seconds per ILP solve (default 60)"
-    )
-    p.add_argument("--max-stages", type=int, default=64, help="granularity (as in profile)")
-    p.add_argument("--repeats", type=int, default=5, help="profiling rounds (median kept)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed profiling rounds")
-    p.add_argument("--no-cache", action="store_true", help="ignore and do not write the cache")
+    add_options(p, Training)
+    add_options(p, SearchOptions)
+    add_options(p, ProfileOptions, only=_PLAN_PROFILE)
     p.add_argument("--out", default="plan.yaml", help="plan file to write (default plan.yaml)")
     p.add_argument("--report", default=None, help="also write an HTML report here")
     p.add_argument("--trace", default=None, help="also write a Chrome/Perfetto trace here")
     p.set_defaults(func=_cmd_plan)
 
 
-def _add_show_parser(sub: argparse._SubParsersAction) -> None:
+def _add_show_parser(sub: Any) -> None:
     p = sub.add_parser("show", help="re-render a saved plan's report")
     p.add_argument("plan_file")
     p.add_argument("--report", default=None, help="also write an HTML report here")
@@ -202,48 +171,24 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def _plan_with(ns: argparse.Namespace) -> int:
-    from planner import cache
-    from planner.api import PlanOptions, plan_model
-    from planner.cluster import from_gpus, load_cluster
-    from planner.cost import Training
-    from planner.modelfile import load_model_file
-    from planner.plan import save_plan
-    from planner.profile import ProfileOptions
-    from planner.report_profile import progress_bar
-    from planner.search import SearchOptions
+    from planner.devices.build import from_gpus
+    from planner.devices.cluster_file import load_cluster
+    from planner.plan.files import save_plan
+    from planner.plan.modelfile import load_model_file
+    from planner.planning import plan_model
+    from planner.report.progress import progress_bar
 
     if ns.cluster:
         cluster = load_cluster(ns.cluster)
         if ns.device_type:
             raise ValueError("--device-type goes with --gpus; a cluster file names its devices")
     else:
-        gpus = ns.gpus
-        if gpus < 1:
-            raise ValueError(f"--gpus must be ≥ 1, got {gpus}")
-        cluster = from_gpus(gpus, ns.device_type)
+        cluster = from_gpus(ns.gpus, ns.device_type)
     mf = load_model_file(ns.model_file)
-    batch = ns.batch_size or mf.batch_size
     options = PlanOptions(
-        training=Training(
-            global_batch=batch,
-            optimizer=ns.optimizer,
-            precision=ns.precision,
-            memory_headroom=ns.memory_headroom,
-        ),
-        search=SearchOptions(
-            pp=ns.pp,
-            dp=ns.dp,
-            micro_batches=ns.micro_batches,
-            schedule=ns.schedule,
-            solver=ns.solver,
-            time_limit_s=ns.time_limit,
-        ),
-        profile=ProfileOptions(
-            repeats=ns.repeats,
-            warmup=ns.warmup,
-            target_blocks=ns.max_stages,
-            cache=not ns.no_cache,
-        ),
+        training=from_namespace(Training, ns, global_batch=ns.global_batch or mf.batch_size),
+        search=from_namespace(SearchOptions, ns),
+        profile=from_namespace(ProfileOptions, ns),
     )
     model = mf.build()
 
@@ -252,20 +197,18 @@ def _plan_with(ns: argparse.Namespace) -> int:
         return bt.args, bt.kwargs, bt.targets
 
     started = time.perf_counter()
-    # Profiles enter the cache only if the plan is written too.
-    with cache.deferred():
-        with progress_bar() as progress:
-            plan = plan_model(
-                model,
-                sampler,
-                cluster=cluster,
-                loss_fn=mf.loss,
-                options=options,
-                model_file=str(ns.model_file),
-                progress=progress,
-            )
-        _print_report(plan)
-        path = save_plan(plan, ns.out)
+    with progress_bar() as progress:
+        plan = plan_model(
+            model,
+            sampler,
+            cluster=cluster,
+            loss_fn=mf.loss,
+            options=options,
+            model_file=str(ns.model_file),
+            progress=progress,
+        )
+    _print_report(plan)
+    path = save_plan(plan, ns.out)
     # Wall-clock times are printed, never saved: [Note: reproducible plan files].
     took = f"planning took {time.perf_counter() - started:.1f} s"
     if plan.solver.solve_s is not None:
@@ -277,9 +220,6 @@ def _plan_with(ns: argparse.Namespace) -> int:
 
 def _check_writable(flag: str, value: str | None) -> None:
     """Refuse an output path that cannot be written, before minutes of profiling."""
-    import os
-    from pathlib import Path
-
     if value is None:
         return
     path = Path(value)
@@ -296,7 +236,7 @@ def _check_writable(flag: str, value: str | None) -> None:
 
 
 def _cmd_show(ns: argparse.Namespace) -> int:
-    from planner.plan import load_plan
+    from planner.plan.files import load_plan
 
     plan = load_plan(ns.plan_file)
     _print_report(plan)
@@ -310,14 +250,15 @@ def _console() -> Console:
 
 
 def _print_report(plan: Plan) -> None:
-    from planner.report import print_plan
+    from planner.report.terminal import print_plan
 
     print_plan(plan, console=_console())
 
 
 def _write_extras(plan: Plan, ns: argparse.Namespace) -> None:
     """The HTML report and the trace, when asked for."""
-    from planner.report import write_html, write_trace
+    from planner.report.html import write_html
+    from planner.report.trace import write_trace
 
     if ns.report:
         print(f"report written to {write_html(plan, ns.report)}")
@@ -326,19 +267,12 @@ def _write_extras(plan: Plan, ns: argparse.Namespace) -> None:
 
 
 def _cmd_profile(ns: argparse.Namespace) -> int:
-    from planner.modelfile import load_model_file
-    from planner.profile import ProfileOptions, profile_model
-    from planner.report_profile import print_profile, progress_bar
+    from planner.plan.modelfile import load_model_file
+    from planner.profile.profiler import profile_model
+    from planner.report.profile_table import print_profile
+    from planner.report.progress import progress_bar
 
-    options = ProfileOptions(
-        device=ns.device_type,
-        dtype=ns.dtype,
-        repeats=ns.repeats,
-        warmup=ns.warmup,
-        threads=ns.threads,
-        target_blocks=ns.max_stages,
-        cache=not ns.no_cache,
-    )
+    options = from_namespace(ProfileOptions, ns)
     mf = load_model_file(ns.model_file)
     batch_size = ns.batch_size or mf.batch_size
     if batch_size < 1:

@@ -1,4 +1,14 @@
-"""Executes a planner Plan: pipeline stages × data-parallel replicas (torch.distributed)."""
+"""Executes a planner Plan: pipeline stages × data-parallel replicas (torch.distributed).
+
+It imports ``planner.plan`` (the contract) and nothing else of the planner.
+The parts: ``options`` (every knob), ``launch`` (``planner run``), ``agent``
+and ``rendezvous`` (torchrun, on loopback), ``worker`` (``python -m
+runtime``), ``failure`` (how a worker ends), ``checks`` (before any
+communication), ``mesh`` (the dp × pp process groups), ``split`` (the model
+cut at the split points), ``stage`` (this rank's stage, DDP), ``tied`` (tied
+weights across stages), ``engine`` (:class:`ParallelModel`), ``checkpoint``
+and ``measure``.
+"""
 
 from __future__ import annotations
 
@@ -21,12 +31,12 @@ __all__ = [
 # Exports resolve lazily: `import runtime` stays cheap (no torch.distributed import).
 _WHERE = {
     "Mesh": "runtime.mesh",
-    "PlanMismatch": "runtime.mesh",
-    "check_plan": "runtime.mesh",
+    "PlanMismatch": "runtime.checks",
+    "check_plan": "runtime.checks",
     "init_mesh": "runtime.mesh",
-    "StageError": "runtime.stages",
-    "StageModule": "runtime.stages",
-    "build_stage": "runtime.stages",
+    "StageError": "runtime.split.errors",
+    "StageModule": "runtime.stage",
+    "build_stage": "runtime.stage",
     "TiedParams": "runtime.tied",
     "build_tied": "runtime.tied",
     "tied_sets": "runtime.tied",
@@ -34,9 +44,11 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:
+    from runtime.checks import PlanMismatch, check_plan
     from runtime.engine import ParallelModel
-    from runtime.mesh import Mesh, PlanMismatch, check_plan, init_mesh
-    from runtime.stages import StageError, StageModule, build_stage
+    from runtime.mesh import Mesh, init_mesh
+    from runtime.split.errors import StageError
+    from runtime.stage import StageModule, build_stage
     from runtime.tied import TiedParams, build_tied, tied_sets
 
 

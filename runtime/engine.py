@@ -34,9 +34,13 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.optim import Optimizer
 
-from planner.plan import Plan
-from runtime.mesh import DEFAULT_TIMEOUT_S, Mesh, check_plan, init_mesh
-from runtime.stages import StageModule, build_stage
+from planner.plan.batch import batch_size_of, normalize_inputs, slice_batch
+from planner.plan.schedule import schedule_problem
+from planner.plan.schema import Plan
+from runtime.checks import check_plan
+from runtime.mesh import Mesh, init_mesh
+from runtime.options import DEFAULT_TIMEOUT_S
+from runtime.stage import StageModule, build_stage
 from runtime.tied import TiedParams, build_tied, tied_sets
 
 __all__ = ["SCHEDULES", "ParallelModel"]
@@ -138,13 +142,12 @@ class ParallelModel:
                 f"the plan's schedule {plan.schedule!r} is not one this runtime runs "
                 f"({', '.join(SCHEDULES)}); edit training.schedule in the plan or re-plan"
             )
-        if plan.schedule == "1f1b" and plan.micro_batches < plan.pp:
-            raise ValueError(
-                f"1F1B needs at least as many micro-batches as stages (m = "
-                f"{plan.micro_batches}, pp = {plan.pp}); use schedule gpipe or more micro-batches"
-            )
+        problem = schedule_problem(plan.schedule, plan.pp, plan.micro_batches)
+        if problem is not None:
+            why, fix = problem
+            raise ValueError(f"the plan cannot run: {why}; fix: {fix} (re-plan, or edit the plan)")
         example = _micro_batch(sample, plan.micro_batch_size)
-        check_plan(plan, model, *example, backend=backend)
+        check_plan(plan, model, backend=backend)
         sets = tied_sets(plan, model)
         canonical = _canonical_names(model)
         mesh = init_mesh(plan, backend=backend, timeout_s=timeout_s)
@@ -195,7 +198,7 @@ class ParallelModel:
             ValueError: a batch of another size (before any communication).
         """
         t0 = time.perf_counter()
-        args, kwargs = _normalize(inputs)
+        args, kwargs = normalize_inputs(inputs)
         args, kwargs, targets = self._shard(args, kwargs, targets)
         mesh = self.mesh
         self.stage.module.zero_grad(set_to_none=True)
@@ -229,7 +232,7 @@ class ParallelModel:
     ) -> tuple[tuple[Any, ...], dict[str, Any], Tensor]:
         """Check the batch size (reliability item 19) and take this replica's shard."""
         plan = self.plan
-        size = _batch_size(args, kwargs)
+        size = batch_size_of(args, kwargs)
         shard = plan.global_batch // plan.dp
         if size not in (plan.global_batch, shard):
             sizes = f"{plan.global_batch}" + (
@@ -249,13 +252,7 @@ class ParallelModel:
             )
         if size == plan.global_batch and plan.dp > 1:
             lo, hi = self.mesh.replica * shard, (self.mesh.replica + 1) * shard
-
-            def cut(x: Any) -> Any:
-                return x[lo:hi] if isinstance(x, Tensor) and x.dim() > 0 else x
-
-            args = tuple(cut(a) for a in args)
-            kwargs = {k: cut(v) for k, v in kwargs.items()}
-            targets = cut(targets)
+            args, kwargs, targets = slice_batch((args, kwargs, targets), lo, hi, size)
         return args, kwargs, targets
 
     def _check_grads(self) -> None:
@@ -339,26 +336,6 @@ class ParallelModel:
 # --------------------------------------------------------------------------- helpers
 
 
-def _normalize(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(inputs, Tensor):
-        return (inputs,), {}
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), {}
-    if isinstance(inputs, Mapping):
-        return (), dict(inputs)
-    raise TypeError(
-        f"inputs is a {type(inputs).__name__}; expected a Tensor, a tuple/list (positional "
-        "arguments) or a dict (keyword arguments) of the forward"
-    )
-
-
-def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    raise ValueError("the inputs hold no tensor with a batch dimension (dim 0)")
-
-
 def _micro_batch(
     sample: tuple[tuple[Any, ...], dict[str, Any]], size: int
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -369,17 +346,14 @@ def _micro_batch(
             f"{type(sample).__name__}"
         )
     args, kwargs = tuple(sample[0]), dict(sample[1])
-    have = _batch_size(args, kwargs)
+    have = batch_size_of(args, kwargs)
     if have < size:
         raise ValueError(
             f"the sample has {have} samples, fewer than one micro-batch ({size} in the plan); "
             f"pass at least {size}"
         )
-
-    def cut(x: Any) -> Any:
-        return x[:size] if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == have else x
-
-    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+    cut_args, cut_kwargs = slice_batch((args, kwargs), 0, size, have)
+    return tuple(cut_args), dict(cut_kwargs)
 
 
 def _canonical_names(model: nn.Module) -> dict[str, str]:

@@ -1,11 +1,8 @@
-"""The checks before any communication, and the dp × pp device mesh a plan runs on.
+"""The dp × pp device mesh a plan runs on.
 
-Every rank runs :func:`check_plan` before ``init_process_group``: a plan made
-for another model, or a launch with the wrong number of processes, fails on
-every rank with the same message and nothing waits on a peer that will never
-come. :func:`init_mesh` then joins the process group torchrun describes and
-lays the ranks out as the plan says: ``mesh[r][s]`` is the rank running stage
-``s`` of replica ``r``.
+After the checks (:mod:`runtime.checks`), :func:`init_mesh` joins the process
+group torchrun describes and lays the ranks out as the plan says:
+``mesh.grid[r][s]`` is the rank running stage ``s`` of replica ``r``.
 """
 
 from __future__ import annotations
@@ -14,193 +11,19 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.capture import capture, fingerprint
-from planner.plan import Plan
+from planner.plan.schema import Plan
+from runtime.checks import check_world, default_backend, local_device
+from runtime.options import DEFAULT_TIMEOUT_S
+from runtime.rendezvous import is_loopback, listening_store
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "Mesh",
-    "PlanMismatch",
-    "check_plan",
-    "check_world",
-    "default_backend",
-    "init_mesh",
-    "local_device",
-]
+__all__ = ["Mesh", "init_mesh"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_TIMEOUT_S = 300.0
-"""How long a collective may wait on a peer before every rank gives up (seconds).
-
-A rank that raises leaves its peers blocked in their next collective; this
-bound is how long they wait before they fail too (reliability item 18).
-"""
-
-_SHOW = 5  # names listed per kind of difference
-
-
-class PlanMismatch(ValueError):
-    """The plan does not fit this model or this launch; the message says what differs."""
-
-
-# --------------------------------------------------------------------------- devices
-
-
-def default_backend() -> str:
-    """ "nccl" when CUDA is available, else "gloo": one code path for GPU and CPU."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def local_device(backend: str | None = None) -> torch.device:
-    """``cuda:LOCAL_RANK`` for NCCL, else the CPU.
-
-    Raises:
-        ValueError: NCCL without CUDA, or LOCAL_RANK beyond the visible GPUs.
-    """
-    backend = backend or default_backend()
-    if backend != "nccl":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            "backend 'nccl' needs CUDA, but torch.cuda.is_available() is False on this "
-            "machine; use backend='gloo' to run on the CPU, or install a CUDA build of torch"
-        )
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        raise ValueError(
-            f"LOCAL_RANK is {local_rank} but only {count} CUDA device(s) are visible; start at "
-            f"most {count} processes per node (torchrun --nproc-per-node {count}) or check "
-            "CUDA_VISIBLE_DEVICES"
-        )
-    return torch.device("cuda", local_rank)
-
-
-# --------------------------------------------------------------------------- checks
-
-
-def check_world(plan: Plan, world_size: int | None = None) -> int:
-    """Refuse a launch whose world size is not the plan's ``pp × dp``.
-
-    Example::
-
-        check_world(plan)           # reads WORLD_SIZE, as torchrun sets it
-
-    Args:
-        world_size: the number of processes; default: the initialized process
-            group's, else ``WORLD_SIZE`` from the environment (1 when unset).
-
-    Returns:
-        The world size.
-
-    Raises:
-        PlanMismatch: the sizes differ; the message gives both and the command.
-    """
-    if world_size is None:
-        if dist.is_available() and dist.is_initialized():
-            world_size = dist.get_world_size()
-        else:
-            world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size != plan.world_size:
-        raise PlanMismatch(
-            f"the plan runs pp {plan.pp} × dp {plan.dp} = {plan.world_size} processes, but "
-            f"this launch has world size {world_size}.\n"
-            f"  fix: start {plan.world_size} processes, e.g. `torchrun --nproc-per-node "
-            f"{plan.world_size} -m runtime model.py --plan plan.yaml` or `planner run "
-            "model.py --plan plan.yaml`; or re-plan for this many devices "
-            f"(`planner plan model.py --gpus {world_size}`)"
-        )
-    return world_size
-
-
-def check_plan(
-    plan: Plan,
-    model: nn.Module,
-    sample_args: tuple[Any, ...],
-    sample_kwargs: dict[str, Any] | None = None,
-    *,
-    world_size: int | None = None,
-    backend: str | None = None,
-) -> None:
-    """Check that ``plan`` was made for ``model`` and fits this launch; no communication.
-
-    Example::
-
-        check_plan(plan, model, (tokens,), {})   # on every rank, before init_mesh
-
-    Compares the model's fingerprint with the plan's. On a mismatch the message
-    says *what* differs: parameters missing from the model, extra ones, or of
-    other shapes (a few of each, with counts), or — when the parameters agree —
-    that the forward's graph (or a buffer, or a dtype) differs. Then checks the
-    world size (:func:`check_world`) and the backend's device
-    (:func:`local_device`).
-
-    Raises:
-        PlanMismatch: the model or the world size does not match the plan.
-        ValueError: the backend's device is missing.
-    """
-    # capture() restores only the root's train/eval flag (model.train(was)); keep every
-    # submodule's own flag (e.g. BatchNorm in eval inside a training model).
-    modes = [(m, m.training) for m in model.modules()]
-    try:
-        cap = capture(model, tuple(sample_args), dict(sample_kwargs or {}))
-        found = fingerprint(cap, model)
-    finally:
-        for m, training in modes:
-            m.training = training
-    if found != plan.fingerprint:
-        raise PlanMismatch(_describe_mismatch(plan, model, found))
-    check_world(plan, world_size)
-    local_device(backend)
-
-
-def _describe_mismatch(plan: Plan, model: nn.Module, found: str) -> str:
-    where = plan.model.get("file") or "the plan"
-    head = (
-        f"{where} was made for another model: fingerprint {plan.fingerprint} in the plan, "
-        f"{found} for this model."
-    )
-    fix = (
-        "  fix: re-plan this model (`planner plan model.py --out plan.yaml`), or load the "
-        "model the plan was made for (same code, same configuration)"
-    )
-    have = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    want = {n: tuple(s) for n, s in plan.parameter_shapes.items()}
-    if not want:
-        return f"{head}\n  (the plan records no parameter shapes to compare)\n{fix}"
-    missing = [n for n in want if n not in have]
-    extra = [n for n in have if n not in want]
-    reshaped = [n for n in want if n in have and have[n] != want[n]]
-    lines = [head]
-    if missing:
-        lines.append(
-            f"  {len(missing)} parameter(s) in the plan are missing from the model: {_few(missing)}"
-        )
-    if extra:
-        lines.append(f"  {len(extra)} parameter(s) of the model are not in the plan: {_few(extra)}")
-    if reshaped:
-        shown = [f"{n} {list(want[n])} in the plan, {list(have[n])} here" for n in reshaped]
-        lines.append(f"  {len(reshaped)} parameter(s) have other shapes: {_few(shown)}")
-    if len(lines) == 1:
-        lines.append(
-            f"  all {len(have)} parameters agree in name and shape, so the forward's graph "
-            "differs (other operations or module calls), or a buffer or a parameter dtype does"
-        )
-    lines.append(fix)
-    return "\n".join(lines)
-
-
-def _few(items: list[str]) -> str:
-    more = f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
-    return ", ".join(items[:_SHOW]) + more
 
 
 # --------------------------------------------------------------------------- the mesh
@@ -341,8 +164,6 @@ def _loopback_store(timeout_s: float) -> dist.Store | None:
     ``runtime.rendezvous``). None when MASTER_ADDR is not a loopback address
     (a multi-machine run) or torchrun's agent hosts the store itself.
     """
-    from runtime.rendezvous import is_loopback, listening_store
-
     addr = os.environ.get("MASTER_ADDR", "")
     if not is_loopback(addr) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return None

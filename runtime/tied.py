@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.plan import Plan
+from planner.plan.schema import Plan
 from runtime.mesh import Mesh
-from runtime.stages import StageModule
+from runtime.stage import StageModule
 
 __all__ = ["TiedGroup", "TiedParams", "build_tied", "tied_sets"]
 

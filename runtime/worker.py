@@ -6,6 +6,8 @@ Started by ``torchrun`` or by ``planner run`` (``runtime.launch``), every worker
         [--checkpoint-every K] [--trace trace.json] [--lr LR] [--optimizer adam|adamw|sgd]
         [--step-log DIR]
 
+(options: :mod:`runtime.options`)
+
 1. loads the plan and the model file (loading runs the file's code: trusted
    input), and builds the model after ``torch.manual_seed(--seed)``: the same
    seed on every rank, so every rank builds the same initial weights;
@@ -24,10 +26,8 @@ Started by ``torchrun`` or by ``planner run`` (``runtime.launch``), every worker
    step time, resident set size: what a soak run watches, ``bench/soak.py``);
 5. prints the predicted-vs-measured table and writes the measured trace.
 
-A worker that fails anywhere prints one line, ``[rank R rX sY] failed at
-step N: <error>``, records the error for torchrun's summary (which prints
-the root cause's traceback once, at the end), tears its process group down
-and exits with status 1 at once; torchrun's agent then stops the other
+A worker that fails anywhere ends as :mod:`runtime.failure` says: one line
+naming the cause, status 1 at once; torchrun's agent then stops the other
 workers (``--monitor-interval``, 0.1 s by default), and a worker blocked on
 a peer that never answers gives up after the collective timeout at the
 latest (reliability item 18). A worker killed by a signal (SIGKILL: no
@@ -39,37 +39,33 @@ their next receive from it, and torchrun names it and its signal
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import logging
 import os
-import sys
 import time
-import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
-from runtime.launch import _LEARNING_RATES, _add_train_options, _check_options, _cpu_threads
+import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from planner.modelfile import Batch, ModelFile
-    from planner.plan import Plan
+from planner.plan.batch import Batch
+from planner.plan.fields import from_namespace
+from planner.plan.files import load_plan
+from planner.plan.modelfile import ModelFile, load_model_file
+from planner.plan.schema import Plan, plan_summary
+from runtime.checkpoint import latest_complete, load, save, seed_step
+from runtime.engine import ParallelModel
+from runtime.failure import Where, fail, finish
+from runtime.launch import cpu_threads
+from runtime.measure import Recorder, comparison_table, resident_bytes, write_trace
+from runtime.options import DEFAULT_TIMEOUT_S, LEARNING_RATES, RunOptions, add_run_options
 
-__all__ = ["EXIT_GUARD_S", "main"]
+__all__ = ["main"]
 
 log = logging.getLogger(__name__)
-
-EXIT_GUARD_S = 30.0
-"""The longest a worker's teardown may take before it exits anyway (status 1)."""
-
-
-class _Where:
-    """What the failure line says: who failed, and where."""
-
-    prefix = f"[rank {os.environ.get('RANK', '0')}]"
-    where = "while starting"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="One worker of a plan (start pp × dp of them with torchrun, or use "
         "`planner run`). Loading the model file runs its code.",
     )
-    _add_train_options(parser)
+    add_run_options(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     ns = parser.parse_args(argv)
     # torch.distributed.pipelining pickles pytree specs through a deprecated
@@ -87,120 +83,102 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
     logging.basicConfig(
         level=logging.INFO if ns.verbose else logging.WARNING,
-        format=f"%(levelname)s {_Where.prefix} %(name)s: %(message)s",
+        format=f"%(levelname)s {Where.prefix} %(name)s: %(message)s",
     )
     try:
-        _check_options(ns)
-        return _train(ns)
+        return _train(from_namespace(RunOptions, ns))
     except SystemExit:
         raise
     except BaseException as exc:  # every failure ends the worker the same way
-        _fail(exc)
+        fail(exc)
     return 1  # not reached
 
 
-def _train(ns: argparse.Namespace) -> int:
-    import torch
-
-    from planner.modelfile import load_model_file
-    from planner.plan import load_plan, plan_summary
-    from runtime.checkpoint import latest_complete, load, save, seed_step
-    from runtime.engine import ParallelModel
-    from runtime.measure import Recorder, comparison_table, write_trace
-    from runtime.mesh import DEFAULT_TIMEOUT_S
-
-    plan = load_plan(ns.plan)
-    mf = load_model_file(ns.model_file)
-    rank = int(os.environ.get("RANK", "0"))
-    threads = _cpu_threads(plan, rank)
-    if threads and not torch.cuda.is_available():
-        torch.set_num_threads(threads)  # as the plan measured this device
-    torch.manual_seed(ns.seed)  # the same initial weights on every rank
-    model = mf.build()
-    first = _batch(mf, plan, 0, ns.seed)
-    kind = ns.optimizer or (plan.optimizer if plan.optimizer in _LEARNING_RATES else "adam")
-    pm = ParallelModel.from_plan(
-        model,
-        plan,
-        loss_fn=mf.loss,
-        optimizer=_optimizer(kind, ns.lr),
-        sample=(first.args, first.kwargs),
-        split=ns.split,
-        timeout_s=ns.timeout or DEFAULT_TIMEOUT_S,
-    )
-    _Where.prefix = pm.mesh.prefix
+def _train(opts: RunOptions) -> int:
+    plan = load_plan(opts.plan)
+    mf = load_model_file(opts.model_file)
+    pm, first = _build(plan, mf, opts)
+    Where.prefix = pm.mesh.prefix
     lead = pm.mesh.rank == 0
     start = 0
-    if ns.checkpoint_dir:
-        _Where.where = "while resuming"
-        path = _agree(latest_complete(ns.checkpoint_dir) if lead else None)
+    if opts.checkpoint_dir:
+        Where.where = "while resuming"
+        path = _agree(latest_complete(opts.checkpoint_dir) if lead else None)
         if path is not None:
-            start = load(pm, path, reshard=ns.reshard)
+            start = load(pm, path, reshard=opts.reshard)
             _say(lead, f"resumed from {path} (step {start})")
-    _say(lead, f"training {ns.model_file}: {plan_summary(plan)}; steps {start + 1}..{ns.steps}")
-    recorder = Recorder(pm, warmup_steps=ns.warmup_steps, first_step=start)
-    steplog = _StepLog(ns.step_log, pm.mesh.rank) if ns.step_log else None
-    every = ns.checkpoint_every
-    for step in range(start, ns.steps):
-        _Where.where = f"at step {step + 1}"
-        batch = first if step == 0 else _batch(mf, plan, step, ns.seed)
-        seed_step(pm, step, ns.seed)
-        loss = pm.step(_inputs(batch), batch.targets)
-        secs = pm.last_step_s or float("nan")
-        _say(
-            lead,
-            f"step {step + 1}/{ns.steps}  loss {loss:.6f}  {secs * 1e3:.1f} ms  "
-            f"{plan.global_batch / secs:.1f} samples/s",
-        )
-        if ns.checkpoint_dir and every and (step + 1) % every == 0:
-            _say(lead, f"checkpoint saved: {save(pm, ns.checkpoint_dir, step + 1)}")
-        if steplog is not None:
-            steplog.write(step + 1, loss, secs)
-    if steplog is not None:
-        steplog.close()
-    trained = ns.steps > start
-    if ns.checkpoint_dir and trained and not (every and ns.steps % every == 0):
-        _Where.where = "saving the final checkpoint"
-        _say(lead, f"checkpoint saved: {save(pm, ns.checkpoint_dir, ns.steps)}")
-    _Where.where = "while measuring"
+    _say(lead, f"training {opts.model_file}: {plan_summary(plan)}; steps {start + 1}..{opts.steps}")
+    recorder = Recorder(pm, warmup_steps=opts.warmup_steps, first_step=start)
+    _loop(pm, mf, plan, opts, first, start, lead)
+    trained = opts.steps > start
+    every = opts.checkpoint_every
+    if opts.checkpoint_dir and trained and not (every and opts.steps % every == 0):
+        Where.where = "saving the final checkpoint"
+        _say(lead, f"checkpoint saved: {save(pm, opts.checkpoint_dir, opts.steps)}")
+    Where.where = "while measuring"
     result = recorder.gather() if trained else None
     recorder.close()
     if result is not None:
         print(comparison_table(plan, result), flush=True)
-        if ns.trace:
-            print(f"measured trace written to {write_trace(result, ns.trace)}", flush=True)
+        if opts.trace:
+            print(f"measured trace written to {write_trace(result, opts.trace)}", flush=True)
     elif lead and not trained:
-        print(f"nothing to train: already at step {start} of {ns.steps}", flush=True)
-    _Where.where = "while finishing"
-    _finish(pm)
+        print(f"nothing to train: already at step {start} of {opts.steps}", flush=True)
+    Where.where = "while finishing"
+    finish(pm)
     return 0
 
 
-# [Note: a bounded exit]
-# torch's gloo process group can deadlock when destroyed right after a collective: the
-# group's worker thread, freeing the finished work, needs the GIL (the work holds tensors
-# owned by Python) while the main thread holds the GIL in ~ProcessGroupGloo, joining that
-# very thread. Seen here (torch 2.13): rank 1 of a pp 1 × dp 2 run, freeing DDP's group
-# right after gathering the measurements, hung for good. So a worker finishes with a
-# barrier (waited with the GIL released, so the threads finish their works) and tears
-# down under faulthandler's watchdog: a C thread that needs no GIL and, should teardown
-# or interpreter shutdown outlast EXIT_GUARD_S, prints every thread's stack and ends the
-# process with status 1. The failure path (`_teardown`) is guarded the same way.
+def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, Batch]:
+    """This rank's stage of the plan, and the first step's batch (its sample too)."""
+    threads = cpu_threads(plan, int(os.environ.get("RANK", "0")))
+    if threads and not torch.cuda.is_available():
+        torch.set_num_threads(threads)  # as the plan measured this device
+    torch.manual_seed(opts.seed)  # the same initial weights on every rank
+    model = mf.build()
+    first = _batch(mf, plan, 0, opts.seed)
+    kind = opts.optimizer or (plan.optimizer if plan.optimizer in LEARNING_RATES else "adam")
+    pm = ParallelModel.from_plan(
+        model,
+        plan,
+        loss_fn=mf.loss,
+        optimizer=_optimizer(kind, opts.lr),
+        sample=(first.args, first.kwargs),
+        split=opts.split,
+        timeout_s=opts.timeout or DEFAULT_TIMEOUT_S,
+    )
+    return pm, first
 
 
-def _finish(pm: Any) -> None:
-    """Every rank done, then the process groups torn down, in bounded time (note above)."""
-    import torch.distributed as dist
-
-    if dist.get_world_size() > 1:
-        device = pm.mesh.device
-        if device.type == "cuda":
-            dist.barrier(device_ids=[device.index])
-        else:
-            dist.barrier()
-        time.sleep(0.01)  # the groups' threads drop their finished works
-    faulthandler.dump_traceback_later(EXIT_GUARD_S, exit=True)  # armed until the process ends
-    pm.close()
+def _loop(
+    pm: ParallelModel,
+    mf: ModelFile,
+    plan: Plan,
+    opts: RunOptions,
+    first: Batch,
+    start: int,
+    lead: bool,
+) -> None:
+    """Train steps ``start + 1`` … ``opts.steps``, checkpointing and logging as asked."""
+    steplog = _StepLog(opts.step_log, pm.mesh.rank) if opts.step_log else None
+    every = opts.checkpoint_every
+    for step in range(start, opts.steps):
+        Where.where = f"at step {step + 1}"
+        batch = first if step == 0 else _batch(mf, plan, step, opts.seed)
+        seed_step(pm, step, opts.seed)
+        loss = pm.step(_inputs(batch), batch.targets)
+        secs = pm.last_step_s or float("nan")
+        _say(
+            lead,
+            f"step {step + 1}/{opts.steps}  loss {loss:.6f}  {secs * 1e3:.1f} ms  "
+            f"{plan.global_batch / secs:.1f} samples/s",
+        )
+        if opts.checkpoint_dir and every and (step + 1) % every == 0:
+            _say(lead, f"checkpoint saved: {save(pm, opts.checkpoint_dir, step + 1)}")
+        if steplog is not None:
+            steplog.write(step + 1, loss, secs)
+    if steplog is not None:
+        steplog.close()
 
 
 class _StepLog:
@@ -223,7 +201,7 @@ class _StepLog:
             "step": step,
             "loss": loss,
             "step_s": step_s,
-            "rss_bytes": _resident_bytes(),
+            "rss_bytes": resident_bytes(),
             "pid": self._pid,
             "unix_s": round(time.time(), 3),
         }
@@ -234,15 +212,6 @@ class _StepLog:
         self._file.close()
 
 
-def _resident_bytes() -> int:
-    """This process's resident set size now (bytes), or -1 without ``/proc``."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return -1
-
-
 def _say(lead: bool, text: str) -> None:
     if lead:
         print(text, flush=True)
@@ -250,8 +219,6 @@ def _say(lead: bool, text: str) -> None:
 
 def _batch(mf: ModelFile, plan: Plan, step: int, seed: int) -> Batch:
     """Step ``step``'s global batch: ``sample_batch`` with torch's RNG at ``seed + step``."""
-    import torch
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + step)
         return mf.sample(plan.global_batch)
@@ -266,10 +233,10 @@ def _inputs(batch: Batch) -> Any:
     return dict(batch.kwargs) if batch.kwargs else batch.args
 
 
-def _optimizer(kind: str, lr: float | None) -> Any:
-    import torch
-
-    rate = _LEARNING_RATES[kind] if lr is None else lr
+def _optimizer(
+    kind: str, lr: float | None
+) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
+    rate = LEARNING_RATES[kind] if lr is None else lr
     if kind == "sgd":
         return lambda ps: torch.optim.SGD(ps, lr=rate, momentum=0.9)
     cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
@@ -284,92 +251,3 @@ def _agree(path: Path | None) -> Path | None:
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     return Path(box[0]) if box[0] is not None else None
-
-
-# --------------------------------------------------------------------------- failure
-
-
-def _fail(exc: BaseException) -> None:
-    """Say what failed (once), record it for torchrun, tear down, exit 1 now (no hang)."""
-    root = _root_cause(exc)
-    line = f"{_Where.prefix} failed {_Where.where}: {_first_line(root)}"
-    if root is not exc:
-        line += f" [raised as {_first_line(exc)}]"
-    secondary = _is_comm_error(exc)
-    if secondary:
-        line += (
-            f"\n{_Where.prefix} (a communication error: most likely another rank failed "
-            "or stopped answering first; its error is the root cause to fix)"
-        )
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:  # torchrun prints the root cause's traceback once, in its summary
-        _write_error_file(error_file, exc, line if secondary else None)
-    else:
-        traceback.print_exception(exc, file=sys.stderr)
-    print(line, file=sys.stderr, flush=True)
-    _teardown()
-    sys.stdout.flush()
-    os._exit(1)
-
-
-def _root_cause(exc: BaseException) -> BaseException:
-    """The innermost explicit cause (torch's stage wraps a forward's error in its own)."""
-    seen = {id(exc)}
-    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
-        exc = exc.__cause__
-        seen.add(id(exc))
-    return exc
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-
-
-def _is_comm_error(exc: BaseException) -> bool:
-    import torch.distributed as dist
-
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset", "Timed out"))
-
-
-def _write_error_file(path: str, exc: BaseException, short: str | None) -> None:
-    """torchrun's error-file format (what ``elastic.multiprocessing.errors.record`` writes).
-
-    A communication error (``short`` given) is recorded as one line, one second
-    later than now: torchrun names the earliest failure (by whole seconds) as
-    the root cause, and a peer's hang-up is a consequence, not a cause.
-    """
-    stamp = int(time.time()) + (1 if short else 0)
-    data = {
-        "message": {
-            "message": f"{type(exc).__name__}: {exc}",
-            "extraInfo": {
-                "py_callstack": short or "".join(traceback.format_exception(exc)),
-                "timestamp": str(stamp),
-            },
-        }
-    }
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f)
-    except OSError:
-        traceback.print_exception(exc, file=sys.stderr)
-
-
-def _teardown(timeout_s: float = EXIT_GUARD_S) -> None:
-    """Abort (NCCL) or destroy (gloo) the process groups; see [Note: a bounded exit]."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    faulthandler.dump_traceback_later(timeout_s, exit=True)
-    try:
-        if dist.get_backend() == "nccl":
-            dist.distributed_c10d._abort_process_group()
-        else:
-            dist.destroy_process_group()
-    except Exception as exc:  # a broken group may refuse; exiting closes its sockets anyway
-        log.debug("process group teardown: %s", exc)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from _dist import run_world
 from torch import nn
 
-from planner.modelfile import load_model_file
+from planner.plan.modelfile import load_model_file
 
 MLP = Path(__file__).resolve().parents[1] / "examples" / "mlp.py"
 BATCH = 8

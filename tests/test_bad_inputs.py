@@ -33,17 +33,14 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from planner import solve
-from planner.api import PlanOptions, plan_model
-from planner.baselines import uniform
 from planner.capture import CaptureError
 from planner.cli import main
-from planner.cluster import from_gpus
-from planner.cost import Training
-from planner.modelfile import ModelFileError, load_model_file
+from planner.devices import from_gpus
+from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
 from planner.plan import Plan, load_plan, save_plan
-from planner.profile import ProfileOptions
-from planner.search import SearchOptions
+from planner.plan.modelfile import ModelFileError, load_model_file
+from planner.planning import plan_model
+from planner.search.baselines import uniform
 from planner.solve import (
     PartitionInfeasible,
     PartitionProblem,
@@ -52,8 +49,8 @@ from planner.solve import (
     evaluate,
     solve_partition,
 )
-from planner.solve.ilp import _HiGHS
-from planner.solve.problem import _fmt_bytes
+from planner.solve.ilp import HighsSolver
+from planner.solve.problem import format_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 A100 = ("--device-type", "a100")
@@ -403,9 +400,9 @@ def case04_tied_parameters(env: Env) -> None:
     assert tied.names == ("emb.weight", "head.weight")  # found by identity
     first, last = plan.stages
     assert "emb" in first.modules and "head" in last.modules  # used on two stages ...
-    assert first.memory["tied_copies"] == 0
+    assert first.memory.tied_copies == 0
     # ... so the stage without the owner pays for a copy: weights, grads, Adam's 2 states.
-    assert last.memory["tied_copies"] == 4 * tied.nbytes
+    assert last.memory.tied_copies == 4 * tied.nbytes
 
 
 # --------------------------------------------------------------------------- 5. BatchNorm
@@ -495,7 +492,7 @@ def case07_does_not_fit_even_on_all_devices(env: Env) -> None:
     # Each layer fits one device (1.4 MiB usable), two do not; 4 layers on 2 devices.
     cluster = env.write(_cluster_file(0.0015), "cluster.yaml")
     err = env.refused(env.write(STACK), "--cluster", cluster)
-    usable = _fmt_bytes(0.0015 * GIB * 0.9)
+    usable = format_bytes(0.0015 * GIB * 0.9)
     assert re.search(r"no configuration fits in memory: (\d+) of \1 candidate\(s\) ran out", err)
     # Per candidate: what each stage needs against what each device has.
     assert re.search(
@@ -510,7 +507,7 @@ def case07_does_not_fit_even_on_all_devices(env: Env) -> None:
     assert (
         "All 4 blocks hold 4.0 MiB of parameters, gradients and optimizer state (adam, fp32)" in err
     )
-    assert f"the 2 devices hold {_fmt_bytes(2 * 0.0015 * GIB * 0.9)} usable in all" in err
+    assert f"the 2 devices hold {format_bytes(2 * 0.0015 * GIB * 0.9)} usable in all" in err
     assert "Fix: more devices or devices with more memory" in err
     assert "fewer samples per micro-batch" in err and "recompute" in err
 
@@ -519,7 +516,7 @@ def case07_does_not_fit_even_on_all_devices(env: Env) -> None:
 def case08_one_block_larger_than_a_device(env: Env) -> None:
     cluster = env.write(_cluster_file(0.002), "cluster.yaml")
     err = env.refused(env.write(WIDE), "--cluster", cluster)
-    usable = _fmt_bytes(0.002 * GIB * 0.9)
+    usable = format_bytes(0.002 * GIB * 0.9)
     assert re.search(
         rf"no stage can hold block 1 \('wide'\) within {re.escape(usable)}: it needs 4\.\d MiB "
         rf"on stage \d \(capacity {re.escape(usable)}\)",
@@ -565,7 +562,7 @@ def case10_batch_not_divisible(env: Env) -> None:
 def case11_fewer_micro_batches_than_stages_warns(env: Env) -> None:
     plan, out = env.planned(env.write(MLP), "--gpus", 2, *A100, "--pp", 2, "--micro-batches", 1)
     [warning] = [w for w in plan.warnings if "bubble" in w]
-    bubble = f"{plan.predicted['bubble_fraction']:.0%}"
+    bubble = f"{plan.predicted.bubble_fraction:.0%}"
     assert warning.startswith(f"1 micro-batch for 2 stages: the pipeline bubble is {bubble}")
     assert "at least 2 micro-batches (--micro-batches 2" in warning
     assert "warning: 1 micro-batch for 2 stages" in out
@@ -594,14 +591,14 @@ def _sync_heavy(n: int, stages: int) -> PartitionProblem:
 
 def _with_status(env: Env, **changes: object) -> None:
     """Make every solve of the search come back with ``changes`` (e.g. its status)."""
-    import planner.search
+    from planner.search import loop
 
-    real = planner.search.solve_partition
+    real = loop.solve_partition
 
     def solve_and_mark(*args: object, **kwargs: object) -> object:
         return dataclasses.replace(real(*args, **kwargs), **changes)  # type: ignore[arg-type]
 
-    env.monkeypatch.setattr(planner.search, "solve_partition", solve_and_mark)
+    env.monkeypatch.setattr(loop, "solve_partition", solve_and_mark)
 
 
 @case
@@ -631,21 +628,20 @@ def case12_ilp_infeasible_unbounded_undefined(env: Env) -> None:
     ):
         solve_partition(splits)
     # PuLP does not raise on a bad status: it is checked, and the ILP's values are not used.
-    env.monkeypatch.setattr(solve, "_ROUNDS", 1)  # weak pruning: the ILP has work to do
-    problem = _sync_heavy(20, 4)
-    real = _HiGHS.findSolutionValues
+    problem = _sync_heavy(20, 4)  # solved with weak pruning (one round): the ILP has work to do
+    real = HighsSolver.findSolutionValues
     for status, solution in [
         (pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible),
         (pulp.LpStatusUnbounded, pulp.LpSolutionUnbounded),
         (pulp.LpStatusUndefined, pulp.LpSolutionNoSolutionFound),
     ]:
 
-        def said(self: _HiGHS, lp: pulp.LpProblem, st=status, so=solution) -> tuple[int, int]:
+        def said(self: HighsSolver, lp: pulp.LpProblem, st=status, so=solution) -> tuple[int, int]:
             real(self, lp)  # fills the variables: they must be ignored
             return st, so
 
-        env.monkeypatch.setattr(_HiGHS, "findSolutionValues", said)
-        sol = solve_partition(problem)
+        env.monkeypatch.setattr(HighsSolver, "findSolutionValues", said)
+        sol = solve_partition(problem, prune_rounds=1)
         assert sol.status == "heuristic", pulp.LpStatus[status]
         assert f"PuLP: {pulp.LpStatus[status]}" in sol.solver_status
         assert sol.objective == pytest.approx(evaluate(problem, sol.starts))  # a real placement
@@ -657,7 +653,7 @@ def case12_ilp_infeasible_unbounded_undefined(env: Env) -> None:
     env.monkeypatch.setenv("PLANNER_CACHE_DIR", str(env.cache))
     model = env.write(MLP)
     clean, _ = env.planned(model, "--gpus", 2, *A100, "--pp", 2)
-    env.monkeypatch.setattr(_HiGHS, "findSolutionValues", said)
+    env.monkeypatch.setattr(HighsSolver, "findSolutionValues", said)
     faulty, _ = env.planned(model, "--gpus", 2, *A100, "--pp", 2)
     assert faulty.split_points == clean.split_points
     assert faulty.predicted == clean.predicted
@@ -744,11 +740,11 @@ def case15_plan_file_unsafe_yaml_tag(env: Env) -> None:
 
 @case
 def case15_plan_file_unknown_version(env: Env) -> None:
-    bad = env.write("version: 3\nstages: []\n", "plan.yaml")
+    bad = env.write("version: 4\nstages: []\n", "plan.yaml")
     err = env.refused(bad, command="show")
     assert (
-        f"{bad}.version: plan format version 3 is not supported (this planner reads versions "
-        "1 and 2; it writes version 2)"
+        f"{bad}.version: plan format version 4 is not supported (this planner reads versions "
+        "1, 2 and 3; it writes version 3)"
     ) in err
     assert "fix: regenerate the plan with `planner plan`" in err
 
@@ -819,19 +815,18 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_integrity_a_plan_for_a_changed_model_is_refused(cache_dir: Path) -> None:
-    from runtime.mesh import PlanMismatch, check_plan
+    from runtime.checks import PlanMismatch, check_plan
 
     plan = _api_plan(_mlp())
-    x = torch.randn(8, 16)
-    check_plan(plan, _mlp(), (x,), world_size=plan.world_size, backend="gloo")  # the same model
+    check_plan(plan, _mlp(), world_size=plan.world_size, backend="gloo")  # the same model
     with pytest.raises(PlanMismatch) as err:
-        check_plan(plan, _mlp(width=48), (x,), world_size=plan.world_size, backend="gloo")
+        check_plan(plan, _mlp(width=48), world_size=plan.world_size, backend="gloo")
     msg = str(err.value)
     assert "mlp.py was made for another model: fingerprint" in msg
     assert "3 parameter(s) have other shapes: 0.weight [32, 16] in the plan, [48, 16] here" in msg
     assert "fix: re-plan this model" in msg
     with pytest.raises(PlanMismatch, match=r"2 parameter\(s\) of the model are not in the plan: "):
-        check_plan(plan, _mlp(depth=3), (x,), world_size=plan.world_size, backend="gloo")
+        check_plan(plan, _mlp(depth=3), world_size=plan.world_size, backend="gloo")
 
 
 def test_integrity_d_same_inputs_same_bytes_api(cache_dir: Path, tmp_path: Path) -> None:

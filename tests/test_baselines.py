@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.baselines import parameter_balanced, time_balanced, uniform
+from planner.search.baselines import parameter_balanced, time_balanced, uniform
 
 
 def test_uniform_gives_extra_blocks_to_the_first_stages() -> None:

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from planner.blocks import build_blocks
 from planner.capture import capture
-from planner.modelfile import load_model_file
-from planner.subgraph import extract
+from planner.capture.blocks import build_blocks
+from planner.capture.subgraph import extract
+from planner.plan.modelfile import load_model_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

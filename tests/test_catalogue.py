@@ -1,4 +1,4 @@
-"""Tests for planner.catalogue: the device catalogue and the measured local CPU."""
+"""Tests for planner.devices.catalogue and .local: the device catalogue and the measured CPU."""
 
 from __future__ import annotations
 
@@ -9,17 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from planner import catalogue
-from planner.catalogue import (
-    DTYPES,
-    Device,
-    device_names,
-    dtype_key,
-    get_device,
-    load_catalogue,
-    local_accelerator,
-    local_cpu,
-)
+from planner.devices import catalogue
+from planner.devices.catalogue import DTYPES, Device, device_names, dtype_key, load_catalogue
+from planner.devices.local import forget_measurements, get_device, local_accelerator, local_cpu
 
 GPUS = ["a100-40gb", "a100-80gb", "h100", "h200", "v100-16gb", "v100-32gb", "l4"]
 GIB = 2**30
@@ -130,7 +122,7 @@ def _write(tmp_path: Path, devices: dict) -> Path:
 
 
 def _packaged_entry(key: str) -> dict:
-    text = Path(catalogue.__file__).with_name("data").joinpath("devices.yaml").read_text()
+    text = Path(catalogue.__file__).parents[1].joinpath("data", "devices.yaml").read_text()
     return dict(yaml.safe_load(text)["devices"][key])
 
 
@@ -138,7 +130,7 @@ def test_load_catalogue_from_a_path(tmp_path):
     entry = _packaged_entry("l4")
     cat = load_catalogue(_write(tmp_path, {"my-gpu": {**entry, "aliases": ["mine"]}}))
     assert cat.names() == ["my-gpu"]
-    assert cat.get("MINE").peak_flops["bf16"] == 121e12
+    assert cat.gpu("MINE").peak_flops["bf16"] == 121e12
 
 
 @pytest.mark.parametrize(
@@ -194,11 +186,10 @@ def test_local_cpu_is_measured_positive_and_cached():
 def test_local_cpu_measures_outside_meta_device_and_modes(tmp_path, monkeypatch):
     import torch
 
-    from planner.opcost import OpCostMode
+    from planner.profile.analytic import OpCostMode
 
     monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path))  # measure, not read the cache
-    catalogue._measure_cpu.cache_clear()
-    catalogue._local_cpu_device.cache_clear()
+    forget_measurements()
     start = time.perf_counter()
     with torch.device("meta"), OpCostMode() as mode:
         cpu = local_cpu()
@@ -212,22 +203,19 @@ def test_local_cpu_speed_is_kept_in_the_cache_and_leaves_the_rng_alone(tmp_path,
     import torch
 
     monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path))
-    catalogue._measure_cpu.cache_clear()
-    catalogue._local_cpu_device.cache_clear()
+    forget_measurements()
     torch.manual_seed(123)
     before = torch.get_rng_state()
     first = local_cpu()
     assert torch.equal(torch.get_rng_state(), before)
     assert len(list(tmp_path.glob("profile-*.json"))) == 1
     # Another process (the in-process caches cleared) reads the same numbers back.
-    catalogue._measure_cpu.cache_clear()
-    catalogue._local_cpu_device.cache_clear()
+    forget_measurements()
     again = local_cpu()
     assert again.peak_flops == first.peak_flops
     assert again.memory_bandwidth == first.memory_bandwidth
     assert again.op_overhead_s == first.op_overhead_s
-    catalogue._measure_cpu.cache_clear()
-    catalogue._local_cpu_device.cache_clear()
+    forget_measurements()
 
 
 def test_local_accelerator_is_none_without_cuda():

@@ -1,4 +1,4 @@
-"""Tests for planner.cluster: devices, nodes, links, and the cluster file format."""
+"""Tests for planner.devices: clusters (devices, nodes, links) and the cluster file format."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from planner import cluster as cluster_mod
-from planner.catalogue import get_device, local_cpu
-from planner.cluster import (
+from planner.devices import build
+from planner.devices.build import from_gpus
+from planner.devices.cluster import (
     DEFAULT_INTER_NODE_BANDWIDTH,
     DEFAULT_INTER_NODE_LATENCY_S,
     DEFAULT_INTRA_NODE_LATENCY_S,
@@ -18,10 +18,10 @@ from planner.cluster import (
     LOOPBACK_LATENCY_S,
     Cluster,
     ClusterDevice,
-    from_gpus,
-    load_cluster,
-    parse_cluster,
 )
+from planner.devices.cluster_file import from_record, load_cluster, parse_cluster
+from planner.devices.local import get_device, local_cpu
+from planner.plan.codec import encode
 
 GIB = 2**30
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "clusters"
@@ -69,7 +69,7 @@ def test_from_gpus_memory_override_and_pcie_only_device():
 
 
 def test_from_gpus_without_a_device_uses_the_local_gpu(monkeypatch):
-    monkeypatch.setattr(cluster_mod, "local_accelerator", lambda: get_device("h200"))
+    monkeypatch.setattr(build, "local_accelerator", lambda: get_device("h200"))
     c = from_gpus(16)
     assert c.device_types == ("h200",) and c.devices_per_node() == [8, 8]
 
@@ -78,7 +78,7 @@ def test_from_gpus_without_a_device_uses_the_local_gpu(monkeypatch):
 def test_from_gpus_without_a_gpu_splits_the_local_cpu(monkeypatch, n):
     import torch
 
-    monkeypatch.setattr(cluster_mod, "local_accelerator", lambda: None)
+    monkeypatch.setattr(build, "local_accelerator", lambda: None)
     threads_before = torch.get_num_threads()
     c = from_gpus(n)
     assert torch.get_num_threads() == threads_before  # measured, then restored
@@ -225,19 +225,19 @@ def test_allreduce_time_is_the_ring_formula(two_nodes):
         lambda: parse_cluster({"nodes": [{"type": "l4", "count": 3}, {"type": "l4"}]}),
     ],
 )
-def test_to_dict_from_dict_round_trip(make):
+def test_record_round_trip(make):
     c = make()
-    data = c.to_dict()
+    data = encode(c.to_record())
     assert list(data) == ["name", "backend", "nodes", "links"]
     text = yaml.safe_dump(data, sort_keys=False)
-    assert yaml.safe_dump(make().to_dict(), sort_keys=False) == text  # deterministic
-    back = Cluster.from_dict(yaml.safe_load(text))
+    assert yaml.safe_dump(encode(make().to_record()), sort_keys=False) == text  # deterministic
+    back = from_record(yaml.safe_load(text))
     assert back == c and hash(back) == hash(c)
-    assert yaml.safe_dump(back.to_dict(), sort_keys=False) == text
+    assert yaml.safe_dump(encode(back.to_record()), sort_keys=False) == text
 
 
-def test_to_dict_groups_equal_devices():
-    data = load_cluster(EXAMPLES / "mixed-a100-v100.yaml").to_dict()
+def test_record_groups_equal_devices():
+    data = encode(load_cluster(EXAMPLES / "mixed-a100-v100.yaml").to_record())
     assert data["nodes"] == [
         {
             "devices": [
@@ -266,11 +266,11 @@ def test_to_dict_groups_equal_devices():
         ),
     ],
 )
-def test_from_dict_errors_name_the_key_path(change, match):
-    data = from_gpus(16, "h100").to_dict()
+def test_record_errors_name_the_key_path(change, match):
+    data = encode(from_gpus(16, "h100").to_record())
     change(data)
     with pytest.raises(ValueError, match=match):
-        Cluster.from_dict(data)
+        from_record(data)
 
 
 # --- cluster-file validation -------------------------------------------------------

@@ -8,12 +8,14 @@ from dataclasses import replace
 
 import pytest
 
-from planner import cluster_build
-from planner.catalogue import Device
-from planner.cluster import Cluster, from_gpus
-from planner.cluster_build import _assemble
-from planner.cost import CostModel, Layout, Training, cpu_speeds, state_bytes
-from planner.records import BlockCost, ModelProfile, TiedSet
+from planner.cost import CostModel, Layout, cpu_speeds, state_bytes
+from planner.devices import cluster as cluster_module
+from planner.devices.build import assemble, from_gpus
+from planner.devices.catalogue import Device
+from planner.devices.cluster import Cluster
+from planner.options import Training
+from planner.plan.records import BlockCost, ModelProfile, TiedSet
+from planner.search.partition import partition_problem
 
 MB = 2**20
 
@@ -67,7 +69,7 @@ def _cpu_cluster(n: int, threads: int = 1) -> Cluster:
         op_overhead_s=1e-6,
         source="test",
     )
-    return _assemble(None, [[(cpu, threads)] * n], {})
+    return assemble(None, [[(cpu, threads)] * n], {})
 
 
 def _cpu_model(pp=2, dp=1, m=2, acts=8 * MB, cores=2, threads=1, **train) -> CostModel:
@@ -88,7 +90,7 @@ def _cpu_model(pp=2, dp=1, m=2, acts=8 * MB, cores=2, threads=1, **train) -> Cos
 @contextmanager
 def _cores(n: int) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cluster_build, "_usable_cores", lambda: n)
+        mp.setattr(cluster_module, "usable_cores", lambda: n)
         yield
 
 
@@ -184,9 +186,9 @@ def test_tied_copy_is_charged_to_the_stage_without_the_owner() -> None:
     assert dp.memory(1, 2, 4).comm_buffers == 12 * MB
     # Both stages holding the tied tensor exchange its gradient, the owner too;
     # a stage holding every user of it exchanges nothing.
-    assert cm.sync(1, 2, 4) > cm.optimizer_ms(1, 2, 4)
-    assert cm.sync(0, 0, 2) > cm.optimizer_ms(0, 0, 2)
-    assert cm.tied_ms(0, 0, 4) == 0.0
+    assert cm.sync(1, 2, 4) > cm.time.optimizer_ms(1, 2, 4)
+    assert cm.sync(0, 0, 2) > cm.time.optimizer_ms(0, 0, 2)
+    assert cm.time.tied_ms(0, 0, 4) == 0.0
     # The exchange is a collective: both stages start their tail together.
     tails = [e for e in cm.predict((0, 2)).timeline.events if e.kind == "sync"]
     assert len(tails) == 2 and tails[0].start == tails[1].start
@@ -195,23 +197,25 @@ def test_tied_copy_is_charged_to_the_stage_without_the_owner() -> None:
 def test_recompute_only_when_it_is_needed() -> None:
     prof = _profile()
     roomy = _model(pp=2, m=4, prof=prof)
-    assert not roomy._recompute(0, 0, 2)
+    assert not roomy.recompute(0, 0, 2)
     # Without recompute: 3 more micro-batches × 16 MiB in flight (104 MiB in all);
     # with it they keep nothing beyond their buffers (56 MiB).
     assert roomy.memory(0, 0, 2).total == 104 * MB
     assert roomy.memory(0, 0, 2, True).total == 56 * MB
     tight = _model(pp=2, m=4, prof=prof, memory_headroom=0.0)
-    tight.capacity = [60 * MB, 60 * MB]
-    assert tight._recompute(0, 0, 2)
-    assert tight._bwd(0, 0, 2, True) - tight._bwd(0, 0, 2, False) == pytest.approx(1.0 + 2.0)
+    tight.basis.capacity = [60 * MB, 60 * MB]
+    assert tight.recompute(0, 0, 2)
+    assert tight.time.bwd(0, 0, 2, True) - tight.time.bwd(0, 0, 2, False) == pytest.approx(
+        1.0 + 2.0
+    )
 
 
 def test_a_segment_that_fits_neither_way_is_costed_with_recompute() -> None:
     # 50 MiB: stage 0's blocks 0..2 fit neither without (104) nor with recompute (56).
     cm = _model(pp=2, m=4, prof=_profile(), memory_headroom=0.0)
-    cm.capacity = [50 * MB, 50 * MB]
-    assert cm._recompute(0, 0, 2)
-    problem = cm.problem()
+    cm.basis.capacity = [50 * MB, 50 * MB]
+    assert cm.recompute(0, 0, 2)
+    problem = partition_problem(cm)
     # Its memory is the smaller figure, and its work at least any part's (the
     # partition heuristic's bisection relies on that).
     assert problem.seg_memory(0, 0, 2) == cm.memory(0, 0, 2, True).total
@@ -220,14 +224,14 @@ def test_a_segment_that_fits_neither_way_is_costed_with_recompute() -> None:
 
 def test_cut_and_sync_use_the_cluster_links() -> None:
     cm = _model(pp=2, dp=2, m=2)
-    f, b = cm.cut(0, 2)
+    f, b = cm.time.cut(0, 2)
     link = cm.cluster.p2p_time(0, 1, 2 * MB) * 1e3
     assert f == pytest.approx(link) and b == pytest.approx(link)
     ring = cm.cluster.allreduce_time(cm.layout.ranks[0], 2 * MB * 4) * 1e3
     # Then the optimizer step: 2 Mi params × (2 × (4 + 8) + 4) bytes at HBM speed.
     dev = cm.cluster.devices[0].device
     optim = 2 * MB * 28 / (dev.memory_bandwidth * dev.memory_efficiency) * 1e3
-    assert cm.optimizer_ms(0, 0, 2) == pytest.approx(optim)
+    assert cm.time.optimizer_ms(0, 0, 2) == pytest.approx(optim)
     assert cm.sync(0, 0, 2) == pytest.approx(ring + optim)
 
 
@@ -236,7 +240,7 @@ def test_prediction_matches_the_schedule() -> None:
     pred = cm.predict((0, 2))
     s0, s1 = pred.stages
     assert (s0.blocks, s1.blocks) == ((0, 2), (2, 4))
-    overhead = cm.overhead
+    overhead = cm.time.overhead
     assert s0.fwd_ms == pytest.approx(1 + 2 + overhead)
     assert s1.fwd_ms == pytest.approx(3 + 4 + 0.5 + overhead)  # the loss on the last stage
     assert pred.step_ms == pytest.approx(pred.closed_form_ms)  # gpipe: exact
@@ -263,16 +267,16 @@ def test_cpu_speeds_share_the_cores() -> None:
 
 def test_cpu_prediction_simulates_the_shared_cores() -> None:
     cm = _cpu_model(pp=2, dp=2, m=4, cores=2)
-    assert cm.speeds == pytest.approx([1 / 1.15, 0.5 / 1.15])
+    assert cm.time.speeds == pytest.approx([1 / 1.15, 0.5 / 1.15])
     pred = cm.predict((0, 2))
     # Reported per-action times are the steady state's (both stages busy) ...
     s0 = pred.stages[0]
-    assert s0.fwd_ms == pytest.approx((1 + 2 + cm.overhead) * 2 * 1.15)
+    assert s0.fwd_ms == pytest.approx((1 + 2 + cm.time.overhead) * 2 * 1.15)
     # ... the simulation runs fill and drain (one stage busy) twice as fast, so the
     # step is below the closed form that prices every slot at the steady speed.
     assert pred.step_ms < pred.closed_form_ms
     gpu = _model(pp=2, dp=2, m=4)
-    assert gpu.speeds == [1.0, 1.0]
+    assert gpu.time.speeds == [1.0, 1.0]
 
 
 def test_cpu_optimizer_step_counts_tensors_and_traffic() -> None:
@@ -280,14 +284,14 @@ def test_cpu_optimizer_step_counts_tensors_and_traffic() -> None:
     # [Note: the CPU optimizer step]: Adam, 4 Mi parameters × 72 B at 20 GB/s, and
     # 4 blocks × 2 tensors × 19 ops × 1 µs; one process: full speed.
     want = (4 * MB * 72 / 20e9 + 8 * 19 * 1e-6) * 1e3
-    assert cm.optimizer_ms(0, 0, 4) == pytest.approx(want)
+    assert cm.time.optimizer_ms(0, 0, 4) == pytest.approx(want)
 
 
 def test_oversubscribed_cpu_messages_wait_for_a_core() -> None:
-    from planner.cost import CPU_OVERSUBSCRIBED_WAKEUP_S
+    from planner.cost.stage_time import CPU_OVERSUBSCRIBED_WAKEUP_S
 
     four = _cpu_model(pp=2, dp=2, m=4, cores=2)  # 4 processes × 1 thread on 2 cores
     two = _cpu_model(pp=2, dp=1, m=4, cores=2)
-    assert four.wakeup_s == CPU_OVERSUBSCRIBED_WAKEUP_S and two.wakeup_s == 0.0
+    assert four.time.wakeup_s == CPU_OVERSUBSCRIBED_WAKEUP_S and two.time.wakeup_s == 0.0
     link = four.cluster.p2p_time(0, 1, 2 * MB)
-    assert four.cut(0, 2)[0] == pytest.approx((link + CPU_OVERSUBSCRIBED_WAKEUP_S) * 1e3 * 2.3)
+    assert four.time.cut(0, 2)[0] == pytest.approx((link + CPU_OVERSUBSCRIBED_WAKEUP_S) * 1e3 * 2.3)

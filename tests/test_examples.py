@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from planner.modelfile import ModelFile, load_model_file
+from planner.plan.modelfile import ModelFile, load_model_file
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NAMES = ("mlp", "gpt", "resnet", "unet")

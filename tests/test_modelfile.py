@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from planner.modelfile import (
+from planner.plan.modelfile import (
     DEFAULT_BATCH_SIZE,
     Batch,
     ModelFile,

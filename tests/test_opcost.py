@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.catalogue import get_device
-from planner.opcost import OpCost, OpCostMode, measure_cost
+from planner.devices import get_device
+from planner.profile.analytic import OpCost, OpCostMode, measure_cost
 
 
 def _fwd_bwd(model: nn.Module, x: torch.Tensor, device=None, **kw) -> OpCostMode:

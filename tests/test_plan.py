@@ -10,12 +10,10 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from planner.api import PlanOptions, plan_model
-from planner.cluster import from_gpus
-from planner.cost import Training
+from planner.devices import from_gpus
+from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
 from planner.plan import Plan, PlanError, load_plan, save_plan
-from planner.profile import ProfileOptions
-from planner.search import SearchOptions
+from planner.planning import plan_model
 
 
 @pytest.fixture(autouse=True)
@@ -73,10 +71,10 @@ def test_plan_has_stages_ranks_and_a_proof(plan: Plan) -> None:
     assert sorted(r for s in plan.stages for r in s.ranks) == [0, 1, 2, 3]
     assert plan.solver.status == "optimal" and plan.solver.gap == 0
     assert plan.candidates and plan.candidates[0].status == "chosen"
-    assert plan.predicted["step_ms"] > 0
-    assert plan.model["file"] == "tower.py" and len(plan.model["fingerprint"]) == 16
+    assert plan.predicted.step_ms > 0
+    assert plan.model.file == "tower.py" and len(plan.model.fingerprint or "") == 16
     # The head shares the embedding's weight: the stage without the owner pays for a copy.
-    assert plan.stages[1].memory["tied_copies"] > 0
+    assert plan.stages[1].memory.tied_copies > 0
     assert plan.profiles and plan.profiles[0].tied
 
 
@@ -103,7 +101,7 @@ def _edited(plan: Plan, tmp_path: Path, edit) -> Path:
     [
         (
             lambda d: d.update(version=99),
-            "version 99 is not supported (this planner reads versions 1 and 2",
+            "version 99 is not supported (this planner reads versions 1, 2 and 3",
         ),
         (lambda d: d.pop("version"), "no version is not supported"),
         (lambda d: d["solver"].update(solve_s=0.5), "solver: unknown key(s) solve_s"),
@@ -126,22 +124,55 @@ def test_malformed_plans_name_the_key_path(plan, tmp_path, edit, message) -> Non
     assert message in str(err.value)
 
 
+def as_version(data: dict, version: int) -> dict:
+    """A current plan's data in the shape of format 1 or 2 (what their files held)."""
+    old = {k: v for k, v in data.items() if k != "step"}
+    model = dict(old["model"])
+    shapes = model.pop("parameter_shapes")
+    old["model"] = {**model, "fingerprint": "3dcb3ffbdee89820"}  # a graph hash, then
+    old["parameter_shapes"] = shapes
+    old["version"] = version
+    if version == 1:
+        old["solver"] = {**old["solver"], "solve_s": 0.25}
+    return old
+
+
 def test_version_1_files_still_load(plan: Plan, tmp_path: Path) -> None:
     # Version 1 also recorded the solve's wall time; it is read, and not written again.
-    data = plan.to_dict()
-    data["version"] = 1
-    data["solver"]["solve_s"] = 0.25
+    data = as_version(plan.to_dict(), 1)
     old = tmp_path / "v1.yaml"
     old.write_text(yaml.safe_dump(data, sort_keys=False))
     loaded = load_plan(old)
     assert loaded.version == 1 and loaded.solver.solve_s == 0.25
     assert [s.blocks for s in loaded.stages] == [s.blocks for s in plan.stages]
-    again = yaml.safe_load(save_plan(loaded, tmp_path / "v2.yaml").read_text())
-    assert again["version"] == 2 and "solve_s" not in again["solver"]
+    again = yaml.safe_load(save_plan(loaded, tmp_path / "v3.yaml").read_text())
+    assert again["version"] == 3 and "solve_s" not in again["solver"]
+    assert again["model"]["fingerprint"] is None  # the graph hash is not carried over
     del data["solver"]["solve_s"]  # a version 1 file must have it
     old.write_text(yaml.safe_dump(data, sort_keys=False))
     with pytest.raises(PlanError, match=r"solver\.solve_s: missing \(expected a number\)"):
         load_plan(old)
+
+
+def test_version_2_files_load_without_a_fingerprint_or_simulation_inputs(
+    plan: Plan, tmp_path: Path
+) -> None:
+    old = tmp_path / "v2.yaml"
+    old.write_text(yaml.safe_dump(as_version(plan.to_dict(), 2), sort_keys=False))
+    loaded = load_plan(old)
+    assert loaded.version == 2 and loaded.fingerprint is None and loaded.step is None
+    assert loaded.model.parameter_shapes == plan.model.parameter_shapes  # what is checked
+    fresh = load_plan(save_plan(plan, tmp_path / "plan.yaml"))
+    assert loaded.stages == fresh.stages and loaded.predicted == plan.predicted
+
+
+def test_the_plan_keeps_the_inputs_of_its_predicted_step(plan: Plan, tmp_path: Path) -> None:
+    from planner.cost import replay
+
+    assert plan.step is not None
+    assert replay(plan.step).step_ms == plan.predicted.step_ms  # bit for bit
+    again = load_plan(save_plan(plan, tmp_path / "plan.yaml"))
+    assert again.step == plan.step and replay(again.step).step_ms == plan.predicted.step_ms
 
 
 def test_the_plan_file_holds_no_wall_clock_time(plan: Plan, tmp_path: Path) -> None:

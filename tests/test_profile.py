@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner import cache
-from planner.profile import ProfileOptions, profile_model
-from planner.records import ModelProfile
+from planner.options import ProfileOptions
+from planner.plan.records import ModelProfile
+from planner.profile import profile_model
 
 FAST = ProfileOptions(repeats=1, warmup=0, cache=False)
 
@@ -191,13 +192,13 @@ def test_examples_profile_dir_exists() -> None:
 
 
 def test_loaded_rounds_are_left_out() -> None:
-    from planner.measure import _Load
+    from planner.profile.timing import RoundLoad
 
-    load = _Load()
+    load = RoundLoad()
     load.shares = [0.5, 0.0, 0.02, 0.0, 0.6]  # others' share of the cores, per round
     assert load.selection() == [1, 2, 3]
     assert "3 of 5 timed rounds were quiet" in (load.note() or "")
-    busy = _Load()
+    busy = RoundLoad()
     busy.shares = [0.5, 0.3, 0.9, 0.4]  # none quiet: the least loaded half
     assert busy.selection() == [1, 3]
 

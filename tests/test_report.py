@@ -13,16 +13,28 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from planner.cluster import from_gpus
-from planner.plan import Candidate, Plan, SolverRecord, StagePlan, load_plan, save_plan
+from planner.cost import closed_form
+from planner.devices import from_gpus
+from planner.plan import (
+    Candidate,
+    LayoutPlan,
+    ModelInfo,
+    Plan,
+    Predicted,
+    SolverRecord,
+    StageMemory,
+    StagePlan,
+    TrainingPlan,
+    load_plan,
+    save_plan,
+)
 from planner.report import print_plan, timeline, trace_events, write_html, write_trace
-from planner.simulate import closed_form
 
 GIB = 2**30
 CAPACITY = 79.6 * GIB
 
 
-def _memory(params_gib: float, activations_gib: float) -> dict[str, float]:
+def _memory(params_gib: float, activations_gib: float) -> StageMemory:
     m = {
         "params": params_gib * GIB,
         "grads": params_gib * GIB,
@@ -32,10 +44,10 @@ def _memory(params_gib: float, activations_gib: float) -> dict[str, float]:
         "tied_copies": 0.0,
         "activations": activations_gib * GIB,
     }
-    return {**m, "total": sum(m.values()), "capacity": CAPACITY}
+    return StageMemory(**m, total=sum(m.values()), capacity=CAPACITY)
 
 
-def _stage(k: int, split: str, modules: tuple[str, ...], memory: dict[str, float]) -> StagePlan:
+def _stage(k: int, split: str, modules: tuple[str, ...], memory: StageMemory) -> StagePlan:
     return StagePlan(
         index=k,
         split_point=split,
@@ -58,18 +70,22 @@ def _plan(**overrides: object) -> Plan:
         _stage(1, "layers.2", ("layers.2", "layers.3", "head"), _memory(4.0, 30.0)),
     )
     plan = Plan(
-        model={"fingerprint": "0123456789abcdef", "file": "model.py", "parameters": 1_100_000_000},
-        cluster=from_gpus(4, "h100").to_dict(),
-        global_batch=64,
-        micro_batches=4,
-        micro_batch_size=8,
-        optimizer="adamw",
-        precision="bf16",
-        schedule="gpipe",
-        pp=2,
-        dp=2,
+        version=2,  # no simulation inputs: the timeline comes from the stage figures
+        model=ModelInfo(fingerprint="0123456789abcdef", file="model.py", parameters=1_100_000_000),
+        cluster=from_gpus(4, "h100").to_record(),
+        training=TrainingPlan(
+            global_batch=64,
+            micro_batches=4,
+            micro_batch_size=8,
+            optimizer="adamw",
+            precision="bf16",
+            schedule="gpipe",
+        ),
+        layout=LayoutPlan(pp=2, dp=2),
         stages=stages,
-        predicted={"step_ms": 0.0, "closed_form_ms": 0.0},  # filled in below
+        predicted=Predicted(
+            step_ms=0.0, closed_form_ms=0.0, samples_per_s=0.0, bubble_fraction=0.0
+        ),
         solver=SolverRecord(
             name="highs",
             status="optimal",
@@ -111,10 +127,13 @@ def _plan(**overrides: object) -> Plan:
         warnings=("4 micro-batches for 2 stages: the bubble is large",),
     )
     tl = timeline(plan)
-    predicted = {"step_ms": tl.step_ms, "closed_form_ms": tl.step_ms, "samples_per_s": 1600.0}
-    return replace(
-        plan, predicted={**predicted, "bubble_fraction": tl.bubble_fraction}, **overrides
+    predicted = Predicted(
+        step_ms=tl.step_ms,
+        closed_form_ms=tl.step_ms,
+        samples_per_s=1600.0,
+        bubble_fraction=tl.bubble_fraction,
     )
+    return replace(plan, predicted=predicted, **overrides)
 
 
 def _text(plan: Plan, *, styles: bool = False) -> str:
@@ -174,7 +193,7 @@ def test_print_plan_marks_a_stage_near_capacity_in_yellow():
 def test_print_plan_names_a_time_limited_solve_and_a_closed_form_gap():
     plan = _plan()
     solver = replace(plan.solver, status="time_limit", gap=0.031, bound_ms=38.0)
-    predicted = {**plan.predicted, "closed_form_ms": plan.predicted["step_ms"] + 2}
+    predicted = replace(plan.predicted, closed_form_ms=plan.predicted.step_ms + 2)
     text = _text(replace(plan, solver=solver, predicted=predicted))
     assert "best found in 60 s, gap 3.1 %" in text and "proven" not in text
     assert "closed form" in text
@@ -237,7 +256,7 @@ def _assert_no_overlap(boxes: list[dict]) -> None:
 
 
 def test_trace_events_is_generic_over_a_timeline():
-    from planner.simulate import simulate
+    from planner.cost import simulate
 
     tl = simulate(
         fwd=[1.0, 1.0, 1.0],

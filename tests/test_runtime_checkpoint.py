@@ -41,11 +41,10 @@ import torch.nn.functional as F
 from _dist import run_world
 from torch import nn
 
-from planner.api import PlanOptions, plan_model
-from planner.cluster import from_gpus
-from planner.cost import Training
+from planner.devices import from_gpus
+from planner.options import PlanOptions, SearchOptions, Training
 from planner.plan import Plan, load_plan, save_plan
-from planner.search import SearchOptions
+from planner.planning import plan_model
 
 BATCH = 8
 TIMEOUT_S = 90
@@ -132,9 +131,9 @@ def _save_planted(pm: Any, directory: str, step: int, path: str) -> None:
     """``save``, with rank 1's first optimizer hyper-parameter replaced by a ``Planted``."""
     import torch.distributed as dist
 
-    from runtime import checkpoint
+    from runtime.checkpoint import store
 
-    real = checkpoint._state
+    real = store.rank_state
 
     def planted(pmodel: Any, at: int) -> dict[str, Any]:
         state = real(pmodel, at)
@@ -143,11 +142,11 @@ def _save_planted(pm: Any, directory: str, step: int, path: str) -> None:
             state["optim"][key] = Planted(path)
         return state
 
-    checkpoint._state = planted
+    store.rank_state = planted  # type: ignore[assignment]
     try:
-        checkpoint.save(pm, directory, step)
+        store.save(pm, directory, step)
     finally:
-        checkpoint._state = real
+        store.rank_state = real  # type: ignore[assignment]
 
 
 def _snapshot(pm: Any) -> dict[str, Any]:

@@ -37,12 +37,11 @@ from typing import Any
 import pytest
 from test_runtime_launch import RUN_TIMEOUT_S, listening_addresses, planner_command
 
-from planner.api import PlanOptions, plan_model
-from planner.cluster import from_gpus
-from planner.cost import Training
-from planner.modelfile import load_model_file
+from planner.devices import from_gpus
+from planner.options import PlanOptions, SearchOptions, Training
 from planner.plan import save_plan
-from planner.search import SearchOptions
+from planner.plan.modelfile import load_model_file
+from planner.planning import plan_model
 
 BOUND_S = 60.0  # start to every process gone (measured: 5.5-11.4 s on 2 busy CPU cores)
 AFTER_FAULT_S = 10.0  # fault to every process gone (measured: 0.5-1.2 s, SIGKILL included)

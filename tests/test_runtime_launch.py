@@ -24,13 +24,11 @@ from typing import Any
 
 import pytest
 
-from planner.api import PlanOptions, plan_model
-from planner.cluster import from_gpus
-from planner.cost import Training
-from planner.modelfile import load_model_file
+from planner.devices import from_gpus
+from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
 from planner.plan import save_plan
-from planner.profile import ProfileOptions
-from planner.search import SearchOptions
+from planner.plan.modelfile import load_model_file
+from planner.planning import plan_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = ROOT / "examples" / "mlp.py"
@@ -171,12 +169,16 @@ def test_run_options_are_checked_before_launching(tmp_path: Path) -> None:
         cmd_run(ns)
 
 
-def _run_namespace(*args: str) -> argparse.Namespace:
+def _run_options(*args: str) -> tuple[Any, Any]:
+    """``planner run``'s options (the worker's, the launch's) from its command line."""
+    from planner.plan.fields import from_namespace
     from runtime.launch import add_run_parser
+    from runtime.options import LaunchOptions, RunOptions
 
     parser = argparse.ArgumentParser(prog="planner")
     add_run_parser(parser.add_subparsers())
-    return parser.parse_args(["run", str(MLP), "--plan", "plan.yaml", *args])
+    ns = parser.parse_args(["run", str(MLP), "--plan", "plan.yaml", *args])
+    return from_namespace(RunOptions, ns), from_namespace(LaunchOptions, ns)
 
 
 def _option(cmd: list[str], flag: str) -> str:
@@ -189,14 +191,14 @@ def test_a_local_run_rendezvous_on_the_loopback_address() -> None:
     from runtime.launch import torchrun_command
     from runtime.rendezvous import BACKEND
 
-    cmd = torchrun_command(_run_namespace(), 4, 29555)
+    cmd = torchrun_command(*_run_options(), 4, 29555)
     assert cmd[1:3] == ["-m", "runtime.agent"]
     assert _option(cmd, "--nnodes") == "1" and _option(cmd, "--nproc-per-node") == "4"
     assert _option(cmd, "--rdzv-endpoint") == "127.0.0.1:29555"
     assert _option(cmd, "--local-addr") == "127.0.0.1"  # the workers' MASTER_ADDR
     assert _option(cmd, "--rdzv-backend") == BACKEND  # its store bound to loopback only
     # another address is an explicit choice (the machines must reach each other)
-    cmd = torchrun_command(_run_namespace("--master-addr", "10.1.2.3"), 4, 29555)
+    cmd = torchrun_command(*_run_options("--master-addr", "10.1.2.3"), 4, 29555)
     assert _option(cmd, "--rdzv-endpoint") == "10.1.2.3:29555"
     assert _option(cmd, "--local-addr") == "10.1.2.3"
 

@@ -35,12 +35,11 @@ import torch.nn.functional as F
 from _dist import WorldFailed, run_world
 from torch import nn
 
-from planner.api import PlanOptions, plan_model
-from planner.cluster import from_gpus
-from planner.cost import Training
-from planner.modelfile import load_model_file
+from planner.devices import from_gpus
+from planner.options import PlanOptions, SearchOptions, Training
 from planner.plan import Plan, load_plan, save_plan
-from planner.search import SearchOptions
+from planner.plan.modelfile import load_model_file
+from planner.planning import plan_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 STEPS = 3
@@ -316,8 +315,8 @@ def _reference(
 
 def _world3_worker(mlp_pp2_plan: str, cases: list[Case]) -> dict[str, Any]:
     """World 3: a pp=2 plan is refused on every rank before any communication; then pp=3."""
+    from runtime.checks import PlanMismatch
     from runtime.engine import ParallelModel
-    from runtime.mesh import PlanMismatch
 
     x, _ = _batch("mlp", BATCH, 0)
     started = time.monotonic()
@@ -451,59 +450,60 @@ def test_wrong_world_size_is_refused_on_every_rank(world3: list[dict[str, Any]])
 
 
 def test_changed_model_is_refused_saying_what_differs(plans_dir: Path) -> None:
-    from runtime.mesh import PlanMismatch, check_plan
+    from runtime.checks import PlanMismatch, check_plan
 
     case = Case("mlp", "mlp")
     plan = _plan(case)
-    x, _ = _batch("mlp", BATCH, 0)
-    check_plan(plan, _build("mlp"), (x,), world_size=2)  # the same model passes
+    check_plan(plan, _build("mlp"), world_size=2)  # the same model passes
     wider = _module("mlp").build_model(in_features=32, scale=2)
     with pytest.raises(PlanMismatch, match=r"parameter\(s\) have other shapes: fc0.weight"):
-        check_plan(plan, wider, (x,), world_size=2)
+        check_plan(plan, wider, world_size=2)
     fewer = _build("mlp")
     del fewer.fc4  # the last Linear: 10 classes become 128 outputs
     with pytest.raises(PlanMismatch, match=r"2 parameter\(s\) in the plan are missing"):
-        check_plan(plan, fewer, (x,), world_size=2)
+        check_plan(plan, fewer, world_size=2)
     other_act = _build("mlp")
     other_act.act1 = nn.GELU()  # same parameters, another graph
-    with pytest.raises(PlanMismatch, match="forward's graph differs"):
-        check_plan(plan, other_act, (x,), world_size=2)
+    with pytest.raises(PlanMismatch, match="so the module tree"):
+        check_plan(plan, other_act, world_size=2)
     with pytest.raises(PlanMismatch, match="torchrun --nproc-per-node 2"):
-        check_plan(plan, _build("mlp"), (x,), world_size=4)
+        check_plan(plan, _build("mlp"), world_size=4)
 
 
 def test_pipeline_splits_at_the_first_call_of_a_module_called_twice() -> None:
-    from runtime.stages import _split_pipeline, _used_tensors
+    from runtime.split.pipeline import split_pipeline
+    from runtime.split.used import used_tensors
 
     torch.manual_seed(0)
     model = _build("resnet").eval()
     x, _ = _batch("resnet", 2, 0)
     # BasicBlock applies `relu` twice; the split point is its first call.
-    pipe = _split_pipeline(model, ["stages.2.0.relu"], ((x,), {}))
+    pipe = split_pipeline(model, ["stages.2.0.relu"], ((x,), {}))
     assert pipe.num_stages == 2
     assert "forward" not in model.get_submodule("stages.2.0.relu").__dict__
     with torch.no_grad():
         torch.testing.assert_close(pipe(x)[0], model(x))
-    kept = [_used_tensors(pipe.get_stage_module(i)) for i in range(2)]
+    kept = [used_tensors(pipe.get_stage_module(i)) for i in range(2)]
     assert "stages.2.0.conv1.0.weight" in kept[0] and "fc.weight" in kept[1]
 
 
 def test_pipeline_stage_keeps_only_what_it_reads() -> None:
-    from runtime.stages import _split_pipeline, _used_tensors
+    from runtime.split.pipeline import split_pipeline
+    from runtime.split.used import used_tensors
 
     torch.manual_seed(0)
     gpt = _build("gpt")
     x, _ = _batch("gpt", 2, 0)
-    pipe = _split_pipeline(gpt, ["blocks.1"], ((x,), {}))
+    pipe = split_pipeline(gpt, ["blocks.1"], ((x,), {}))
     first, last = (pipe.get_stage_module(i) for i in range(2))
     # pipeline() leaves the untouched original head.weight in stage 0 beside its copy.
     assert "head.weight" in dict(first.named_parameters())
-    assert "head.weight" not in _used_tensors(first)
-    assert {"tok_emb.weight"} <= _used_tensors(first) and "head.weight" in _used_tensors(last)
+    assert "head.weight" not in used_tensors(first)
+    assert {"tok_emb.weight"} <= used_tensors(first) and "head.weight" in used_tensors(last)
 
 
 def test_fx_split_passes_long_skips_along_the_chain() -> None:
-    from runtime.stages import split_model
+    from runtime.split import split_model
 
     torch.manual_seed(0)
     unet = _build("unet").eval()

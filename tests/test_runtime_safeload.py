@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from runtime.checkpoint import COMPLETE, FORMAT, incomplete_reason, latest_complete
-from runtime.safeload import Refused, SafeLoadPlanner, SafeReader, read_metadata
+from runtime.checkpoint.safeload import Refused, SafeLoadPlanner, SafeReader, read_metadata
 
 
 class Planted:

@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from planner.cluster import from_gpus
-from planner.cost import Training
-from planner.records import BlockCost, ModelProfile
-from planner.search import SearchOptions, layouts, search
+from planner.devices import from_gpus
+from planner.options import SearchOptions, Training
+from planner.plan.records import BlockCost, ModelProfile
+from planner.search import layouts, search
 
 GIB = 2**30
 
@@ -125,7 +125,7 @@ def test_memory_pressure_turns_on_recompute_or_more_stages() -> None:
 
 
 def test_layouts_for_mixed_devices_try_both_orders() -> None:
-    from planner.cluster import parse_cluster
+    from planner.devices import parse_cluster
 
     mixed = parse_cluster(
         {"nodes": [{"type": "a100-80gb", "count": 2}, {"type": "v100-32gb", "count": 2}]}

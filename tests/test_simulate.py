@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.simulate import closed_form, schedule_actions, simulate
+from planner.cost import closed_form, simulate
+from planner.plan.schedule import schedule_actions
 
 
 def test_gpipe_and_1f1b_actions_are_the_textbook_order() -> None:
@@ -120,7 +121,7 @@ def test_shared_cores_slow_the_stages_that_compute_at_once() -> None:
 def test_the_fast_path_without_shared_cores_matches_the_event_driven_one() -> None:
     import random
 
-    from planner.simulate import simulate
+    from planner.cost import simulate
 
     rng = random.Random(7)
     for _ in range(40):

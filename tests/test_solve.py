@@ -11,8 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner import solve
-from planner.baselines import parameter_balanced, time_balanced, uniform
+from planner.search.baselines import parameter_balanced, time_balanced, uniform
 from planner.solve import (
     PartitionInfeasible,
     PartitionProblem,
@@ -355,9 +354,9 @@ def sync_heavy(n: int, stages: int) -> PartitionProblem:
 def test_solver_stopped_by_limit_reports_its_gap(
     solver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(solve, "_ROUNDS", 1)  # weak pruning: an ILP the solver cannot close fast
     p = sync_heavy(120, 10)
-    sol = solve_partition(p, solver=solver, time_limit_s=2.5)
+    # Weak pruning (one round): an ILP the solver cannot close fast.
+    sol = solve_partition(p, solver=solver, time_limit_s=2.5, prune_rounds=1)
     assert sol.status == "time_limit"
     assert "time" in sol.solver_status.lower()
     assert sol.gap is not None and sol.gap > 1e-4

@@ -7,32 +7,24 @@ import math
 import os
 from pathlib import Path
 
-from planner.plan import Plan
-from planner.report._content import (
-    _CAND_COLS,
-    _MEM_COL,
-    _STAGE_COLS,
-    _candidate_rows,
-    _over_capacity,
-    _Row,
-    _stage_note,
-    _stage_rows,
-    _summary,
-    _write_atomic,
+from planner.plan.files import atomic_write
+from planner.plan.schema import Plan
+from planner.plan.timeline import Event, Timeline, event_name
+from planner.report.content import (
+    CAND_COLS,
+    MEM_COL,
+    STAGE_COLS,
+    Row,
+    candidate_rows,
+    over_capacity,
+    stage_note,
+    stage_rows,
+    summary,
     timeline,
 )
-from planner.report._format import (
-    _OTHER,
-    _STATE,
-    _bytes,
-    _event_name,
-    _level,
-    _memory,
-    _ms,
-    _pct,
-    _share,
-)
-from planner.simulate import Event, Timeline
+from planner.report.format import OTHER, STATE, fmt_bytes, fmt_ms, fmt_pct, level
+
+__all__ = ["write_html"]
 
 # Colour and legend of each kind of event (timeline) and part of memory (bars).
 _KEY = {
@@ -102,8 +94,9 @@ def _timeline_svg(tl: Timeline) -> str:
     for e in tl.events:
         x, w = left + e.start / span * width, (e.end - e.start) / span * width
         y, h = _lane_y(e, top, row)
-        name = _event_name(e)
-        tip = f"stage {e.stage} {name}: {_ms(e.start)}–{_ms(e.end)} ms ({_ms(e.end - e.start)} ms)"
+        name = event_name(e)
+        tip = f"stage {e.stage} {name}: {fmt_ms(e.start)}–{fmt_ms(e.end)} ms"
+        tip += f" ({fmt_ms(e.end - e.start)} ms)"
         out.append(_rect(x, y, w, h, _KEY.get(e.kind, ("#888", ""))[0], tip))
         if e.kind in ("F", "B") and e.micro_batch >= 0 and w >= 4 + 7 * len(str(e.micro_batch)):
             out.append(
@@ -115,32 +108,33 @@ def _timeline_svg(tl: Timeline) -> str:
 
 def _memory_svg(plan: Plan) -> str:
     left, width, row = 70, 700, 28
-    parts: list[tuple[str, tuple[str, ...]]] = [(k, (k,)) for k in (*_STATE, "activations")]
-    parts.append(("other", _OTHER))
-    mem = [_memory(st) for st in plan.stages]
-    caps = [m[4] for m in mem if math.isfinite(m[4])]
-    scale = 1.05 * max([m[3] for m in mem] + caps + [1.0])
+    parts: list[tuple[str, tuple[str, ...]]] = [(k, (k,)) for k in (*STATE, "activations")]
+    parts.append(("other", OTHER))
+    mem = [st.memory for st in plan.stages]
+    caps = [m.capacity for m in mem if math.isfinite(m.capacity)]
+    scale = 1.05 * max([m.total for m in mem] + caps + [1.0])
     out = [f'<svg width="{left + width + 220}" height="{row * len(mem) + 8}" role="img">']
-    for st, (*_, total, cap) in zip(plan.stages, mem, strict=True):
+    for st, m in zip(plan.stages, mem, strict=True):
+        total, cap = m.total, m.capacity
         y, x = 4 + row * st.index, float(left)
         out.append(f'<text x="4" y="{y + 14}">stage {st.index}</text>')
         for label, keys in parts:
-            v = sum(st.memory.get(k, 0.0) for k in keys)
+            v = sum(getattr(m, k) for k in keys)
             w = v / scale * width
             if v > 0:
-                out.append(
-                    _rect(x, y, w, 20, _KEY[label][0], f"stage {st.index} {label}: {_bytes(v)}")
-                )
+                tip = f"stage {st.index} {label}: {fmt_bytes(v)}"
+                out.append(_rect(x, y, w, 20, _KEY[label][0], tip))
             x += w
         if math.isfinite(cap):
             cx = left + cap / scale * width
             out.append(
                 f'<line x1="{cx:.2f}" y1="{y - 3}" x2="{cx:.2f}" y2="{y + 23}" stroke="#000" '
-                f'stroke-width="2"><title>capacity {_e(_bytes(cap))}</title></line>'
+                f'stroke-width="2"><title>capacity {_e(fmt_bytes(cap))}</title></line>'
             )
-        share = _share(total, cap)
-        colour = {"over": "#a00", "near": "#8a5a00"}.get(_level(share), "#222")
-        label = _bytes(total) + (f" of {_bytes(cap)} ({_pct(share)})" if cap < math.inf else "")
+        share = m.share
+        colour = {"over": "#a00", "near": "#8a5a00"}.get(level(share), "#222")
+        of = f" of {fmt_bytes(cap)} ({fmt_pct(share)})" if cap < math.inf else ""
+        label = fmt_bytes(total) + of
         out.append(f'<text x="{left + width + 8}" y="{y + 14}" fill="{colour}">{_e(label)}</text>')
     return "\n".join([*out, "</svg>"])
 
@@ -152,41 +146,41 @@ def _legend(*keys: str) -> str:
     return f'<p class="note">{"".join(spans)}</p>'
 
 
-def _html_table(cols: list[str], rows: list[_Row], mem: int | None = None) -> str:
+def _html_table(cols: list[str], rows: list[Row], mem: int | None = None) -> str:
     head = "".join(f"<th>{_e(c.rstrip('>'))}</th>" for c in cols)
     classes = ["n" if c.endswith(">") else "" for c in cols]
     if mem is not None:
         classes[mem] += " mem"  # coloured by the row's level
     body = []
-    for cells, level in rows:
+    for cells, row_level in rows:
         tds = "".join(f'<td class="{c}">{_e(v)}</td>' for v, c in zip(cells, classes, strict=True))
-        body.append(f'<tr class="{level}">{tds}</tr>')
+        body.append(f'<tr class="{row_level}">{tds}</tr>')
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
 def _html(plan: Plan) -> str:
-    tl, (rows, unit) = timeline(plan), _stage_rows(plan)
-    title = f"Pipeline plan: {plan.model.get('file') or 'model'}"
-    summary = "".join(
-        f"<tr><td><b>{_e(k)}</b></td><td>{_e(v)}</td></tr>" for k, v in _summary(plan, tl)
+    tl, (rows, unit) = timeline(plan), stage_rows(plan)
+    title = f"Pipeline plan: {plan.model.file or 'model'}"
+    lines = "".join(
+        f"<tr><td><b>{_e(k)}</b></td><td>{_e(v)}</td></tr>" for k, v in summary(plan, tl)
     )
     sections = [
         f"<h1>{_e(title)}</h1>",
-        f'<table class="summary">{summary}</table>',
+        f'<table class="summary">{lines}</table>',
         "<h2>Pipeline timeline (one step, simulated)</h2>",
         _legend("F", "B", "send_F", "send_B", "sync"),
         _timeline_svg(tl),
         "<h2>Memory per device</h2>",
-        _legend(*_STATE, "activations", "other"),
+        _legend(*STATE, "activations", "other"),
         _memory_svg(plan),
         '<p class="note">black line: the device\'s usable memory</p>',
         "<h2>Stages</h2>",
-        _html_table(_STAGE_COLS, rows, _MEM_COL),
-        f'<p class="note">{_e(_stage_note(unit))}</p>',
+        _html_table(STAGE_COLS, rows, MEM_COL),
+        f'<p class="note">{_e(stage_note(unit))}</p>',
     ]
-    sections += [f'<p class="warn">{_e("over capacity: " + w)}</p>' for w in _over_capacity(plan)]
+    sections += [f'<p class="warn">{_e("over capacity: " + w)}</p>' for w in over_capacity(plan)]
     if plan.candidates:
-        sections += ["<h2>Candidates</h2>", _html_table(_CAND_COLS, _candidate_rows(plan))]
+        sections += ["<h2>Candidates</h2>", _html_table(CAND_COLS, candidate_rows(plan))]
     if plan.warnings:
         items = "".join(f"<li>warning: {_e(w)}</li>" for w in plan.warnings)
         sections += ["<h2>Warnings</h2>", f'<ul class="warn">{items}</ul>']
@@ -207,4 +201,4 @@ def write_html(plan: Plan, path: str | os.PathLike[str]) -> Path:
 
     Hovering a box of the timeline or memory chart shows its figures.
     """
-    return _write_atomic(path, _html(plan))
+    return atomic_write(path, _html(plan))

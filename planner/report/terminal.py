@@ -6,25 +6,27 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from planner.plan import Plan
-from planner.report._content import (
-    _CAND_COLS,
-    _MEM_COL,
-    _STAGE_COLS,
-    _candidate_rows,
-    _over_capacity,
-    _Row,
-    _stage_note,
-    _stage_rows,
-    _summary,
+from planner.plan.schema import Plan
+from planner.report.content import (
+    CAND_COLS,
+    MEM_COL,
+    STAGE_COLS,
+    Row,
+    candidate_rows,
+    over_capacity,
+    stage_note,
+    stage_rows,
+    summary,
     timeline,
 )
+
+__all__ = ["print_plan"]
 
 _RICH_STYLE = {"over": "bold red", "near": "yellow", "chosen": "bold green"}
 
 
 def _rich_table(
-    title: str, cols: list[str], rows: list[_Row], note: str, mem: int | None = None
+    title: str, cols: list[str], rows: list[Row], note: str, mem: int | None = None
 ) -> Table:
     table = Table(title=title, caption=note)
     for k, col in enumerate(cols):
@@ -52,15 +54,15 @@ def print_plan(plan: Plan, *, console: Console | None = None) -> None:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
-    for label, text in _summary(plan, timeline(plan)):
+    for label, text in summary(plan, timeline(plan)):
         grid.add_row(label, Text(text))
     console.print(grid)
-    rows, unit = _stage_rows(plan)
-    console.print(_rich_table("stages", _STAGE_COLS, rows, _stage_note(unit), _MEM_COL))
-    for line in _over_capacity(plan):
+    rows, unit = stage_rows(plan)
+    console.print(_rich_table("stages", STAGE_COLS, rows, stage_note(unit), MEM_COL))
+    for line in over_capacity(plan):
         console.print(Text(f"over capacity: {line}", style="bold red"))
     if plan.candidates:
         note = "ranked by the search; the chosen one in bold"
-        console.print(_rich_table("candidates", _CAND_COLS, _candidate_rows(plan), note))
+        console.print(_rich_table("candidates", CAND_COLS, candidate_rows(plan), note))
     for w in plan.warnings:
         console.print(Text(f"warning: {w}", style="yellow"))

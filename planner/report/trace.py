@@ -7,10 +7,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from planner.plan import Plan
-from planner.report._content import _write_atomic, timeline
-from planner.report._format import _event_name
-from planner.simulate import Event, Timeline
+from planner.plan.files import atomic_write
+from planner.plan.schema import Plan
+from planner.plan.timeline import ChromeTrace, Event, Timeline, event_name
+from planner.report.content import timeline
+
+__all__ = ["trace_events", "write_trace"]
 
 
 def _thread(e: Event, n_stages: int) -> tuple[int, str, int]:
@@ -24,16 +26,7 @@ def _thread(e: Event, n_stages: int) -> tuple[int, str, int]:
     return e.stage, f"stage {e.stage}", 3 * e.stage
 
 
-def _meta(what: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
-    """A metadata ("M") event: names and orders processes and threads."""
-    return {"name": what, "ph": "M", "pid": pid, "tid": tid, "args": args}
-
-
-def _us(ms: float) -> float:
-    return round(ms * 1e3, 3)
-
-
-def trace_events(timeline: Timeline, *, process_name: str, pid: int = 0) -> dict[str, Any]:
+def trace_events(tl: Timeline, *, process_name: str, pid: int = 0) -> dict[str, Any]:
     """A timeline as Chrome / Perfetto trace JSON (open in ui.perfetto.dev or chrome://tracing).
 
     Example::
@@ -44,19 +37,20 @@ def trace_events(timeline: Timeline, *, process_name: str, pid: int = 0) -> dict
     "link k+1→k"), so transfers never overlap compute boxes; each event is a
     complete ("X") event, ``ts`` and ``dur`` in microseconds.
     """
-    threads = {s: (f"stage {s}", 3 * s) for s in range(timeline.n_stages)}
+    threads = {s: (f"stage {s}", 3 * s) for s in range(tl.n_stages)}
+    trace = ChromeTrace()
+    trace.process(pid, process_name)
     boxes = []
-    for e in timeline.events:
-        tid, name, order = _thread(e, timeline.n_stages)
+    for e in tl.events:
+        tid, name, order = _thread(e, tl.n_stages)
         threads[tid] = (name, order)
         args = {"stage": e.stage} | ({"micro_batch": e.micro_batch} if e.micro_batch >= 0 else {})
-        box = {"name": _event_name(e), "cat": e.kind, "ph": "X", "pid": pid, "tid": tid}
-        boxes.append(box | {"ts": _us(e.start), "dur": _us(e.end - e.start), "args": args})
-    meta = [_meta("process_name", pid, 0, name=process_name)]
+        boxes.append((tid, e, args))
     for tid, (name, order) in sorted(threads.items()):
-        meta.append(_meta("thread_name", pid, tid, name=name))
-        meta.append(_meta("thread_sort_index", pid, tid, sort_index=order))
-    return {"traceEvents": meta + boxes, "displayTimeUnit": "ms"}
+        trace.thread(pid, tid, name, order)
+    for tid, e, args in boxes:
+        trace.box(pid, tid, event_name(e), e.kind, e.start, e.end, args)
+    return trace.data()
 
 
 def write_trace(plan: Plan, path: str | os.PathLike[str]) -> Path:
@@ -66,8 +60,8 @@ def write_trace(plan: Plan, path: str | os.PathLike[str]) -> Path:
 
         write_trace(plan, "plan.trace.json")   # drag into ui.perfetto.dev
     """
-    model = plan.model.get("file") or "model"
+    model = plan.model.file or "model"
     name = f"predicted {plan.schedule}, pp {plan.pp} × dp {plan.dp}: {model}"
     data = trace_events(timeline(plan), process_name=name)
-    data["otherData"] = {"fingerprint": plan.fingerprint, "step_ms": plan.predicted.get("step_ms")}
-    return _write_atomic(path, json.dumps(data, ensure_ascii=False))
+    data["otherData"] = {"fingerprint": plan.fingerprint, "step_ms": plan.predicted.step_ms}
+    return atomic_write(path, json.dumps(data, ensure_ascii=False))

@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from planner.solve.costs import _Costs
-from planner.solve.feasible import _check_feasible
+from planner.solve.feasible import check_feasible
 from planner.solve.problem import PartitionProblem
+from planner.solve.segments import SegmentCosts
+
+__all__ = ["exact_partition"]
 
 
 def exact_partition(problem: PartitionProblem) -> tuple[tuple[int, ...], float]:
@@ -26,8 +28,8 @@ def exact_partition(problem: PartitionProblem) -> tuple[tuple[int, ...], float]:
     Raises:
         PartitionInfeasible: no placement fits.
     """
-    c = _Costs(problem)
-    _check_feasible(c)
+    c = SegmentCosts(problem)
+    check_feasible(c)
     S, K, m = c.S, c.K, c.m
     # seg: (s, a, b, w + c, y, r)
     segs = [

@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 import time
 
-from planner.solve.costs import _Costs
-from planner.solve.problem import PartitionInfeasible, PartitionProblem, _fmt_bytes
+from planner.solve.problem import PartitionInfeasible, PartitionProblem, format_bytes
+from planner.solve.segments import SegmentCosts
+
+__all__ = ["check_feasible", "heuristic", "heuristic_partition", "tie_break"]
 
 
-def _reach(c: _Costs, wcap: float) -> tuple[list[list[int]], int | None]:
+def _reach(c: SegmentCosts, wcap: float) -> tuple[list[list[int]], int | None]:
     """Start indices each stage can reach with every segment's y ≤ wcap and in memory.
 
     Returns (reach per stage, the last stage's chosen start or None if the last
@@ -33,7 +35,7 @@ def _reach(c: _Costs, wcap: float) -> tuple[list[list[int]], int | None]:
     return R, (last if c.fits(c.S - 1, last, c.K, wcap) else None)
 
 
-def _check_feasible(c: _Costs) -> None:
+def check_feasible(c: SegmentCosts) -> None:
     """Raise PartitionInfeasible naming the constraint family that cannot be met."""
     p, S, K = c.p, c.S, c.K
     if S > K:
@@ -55,8 +57,8 @@ def _check_feasible(c: _Costs) -> None:
         if c.pos[a + 1] - c.pos[a] > 1:
             what += " (no legal split point between them)"
         raise PartitionInfeasible(
-            f"no stage can hold {what} within {_fmt_bytes(max(c.cap[t] for t in stages))}: "
-            f"it needs {_fmt_bytes(need)} on stage {s} (capacity {_fmt_bytes(c.cap[s])}).\n"
+            f"no stage can hold {what} within {format_bytes(max(c.cap[t] for t in stages))}: "
+            f"it needs {format_bytes(need)} on stage {s} (capacity {format_bytes(c.cap[s])}).\n"
             "  fix: recompute activations, use fewer samples per micro-batch, split the block, "
             "or give the stage a device with more memory"
         )
@@ -67,8 +69,8 @@ def _check_feasible(c: _Costs) -> None:
     if S == 1:
         raise PartitionInfeasible(
             f"the blocks do not fit in the memory of one stage: "
-            f"{p.block_label(0, p.n_blocks)} need {_fmt_bytes(c.mem(0, 0, K))} against "
-            f"{_fmt_bytes(c.cap[0])}.\n  fix: use more stages or larger devices, recompute "
+            f"{p.block_label(0, p.n_blocks)} need {format_bytes(c.mem(0, 0, K))} against "
+            f"{format_bytes(c.cap[0])}.\n  fix: use more stages or larger devices, recompute "
             "activations, or fewer samples per micro-batch"
         )
     if R[-1]:  # the last stage cannot take what the others leave
@@ -77,15 +79,15 @@ def _check_feasible(c: _Costs) -> None:
         raise PartitionInfeasible(
             f"the blocks do not fit in the memory of {S} stages: filling stages 0..{S - 2} "
             f"as far as memory allows leaves {p.block_label(c.pos[a], p.n_blocks)} for "
-            f"stage {S - 1}, needing {_fmt_bytes(need)} against {_fmt_bytes(cap)}.\n"
+            f"stage {S - 1}, needing {format_bytes(need)} against {format_bytes(cap)}.\n"
             "  fix: use more stages or larger devices, recompute activations, or fewer samples "
             "per micro-batch"
         )
     need = min(c.mem(s - 1, a, a + 1) for a in R[s - 1])
     raise PartitionInfeasible(
         f"the blocks do not fit in the memory of {S} stages: stage {s - 1} "
-        f"({_fmt_bytes(c.cap[s - 1])}) cannot hold any run of blocks where stages "
-        f"0..{s - 2} can end (the smallest needs {_fmt_bytes(need)}).\n  fix: use larger "
+        f"({format_bytes(c.cap[s - 1])}) cannot hold any run of blocks where stages "
+        f"0..{s - 2} can end (the smallest needs {format_bytes(need)}).\n  fix: use larger "
         "devices for it, recompute activations, or fewer samples per micro-batch"
     )
 
@@ -95,7 +97,7 @@ def _check_feasible(c: _Costs) -> None:
 _TIE = 1e-12  # relative: step times this close are equal (float sums in another order)
 
 
-def _tie_break(c: _Costs, idx: list[int]) -> list[int]:
+def tie_break(c: SegmentCosts, idx: list[int]) -> list[int]:
     """The placement with the earliest split points among those of the same step time.
 
     [Note: tie-breaking] Equal-cost placements are common: a block that costs nothing
@@ -132,7 +134,7 @@ def _tie_break(c: _Costs, idx: list[int]) -> list[int]:
 # ---------------------------------------------------------------- heuristic
 
 
-def _min_sum_path(c: _Costs, wcap: float) -> list[int] | None:
+def _min_sum_path(c: SegmentCosts, wcap: float) -> list[int] | None:
     """The placement of least Σ(w + c) with every y ≤ wcap (DP), or None."""
     F: dict[int, float] = {0: 0.0}
     back: list[dict[int, int]] = []
@@ -157,7 +159,7 @@ def _min_sum_path(c: _Costs, wcap: float) -> list[int] | None:
     return idx[::-1]
 
 
-def _heuristic(c: _Costs, deadline: float = math.inf) -> list[int] | None:
+def heuristic(c: SegmentCosts, deadline: float = math.inf) -> list[int] | None:
     """Bisect the least feasible bottleneck, then take min-sum placements under it.
 
     Returns position indices (K appended), or None if the deadline passed first.
@@ -205,8 +207,8 @@ def heuristic_partition(problem: PartitionProblem) -> tuple[int, ...]:
     Raises:
         PartitionInfeasible: no placement fits (the message names why).
     """
-    c = _Costs(problem)
-    _check_feasible(c)
-    idx = _heuristic(c)
+    c = SegmentCosts(problem)
+    check_feasible(c)
+    idx = heuristic(c)
     assert idx is not None
     return c.starts(idx)

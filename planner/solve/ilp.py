@@ -13,17 +13,27 @@ from dataclasses import dataclass
 
 import pulp
 
-from planner.solve.costs import _Costs
-from planner.solve.problem import SolverUnavailable
-from planner.solve.prune import _Segments
+from planner.solve.problem import SOLVERS, SolverUnavailable
+from planner.solve.prune import Segments
+from planner.solve.segments import SegmentCosts
 
-SOLVERS = ("auto", "highs", "cbc")
-_MIP_REL_GAP = 1e-7  # "optimal" means proven within this relative gap
+__all__ = [
+    "MIP_REL_GAP",
+    "HighsSolver",
+    "Outcome",
+    "build_ilp",
+    "chosen_path",
+    "pick_solver",
+    "run_cbc",
+    "run_highs",
+]
+
+MIP_REL_GAP = 1e-7  # "optimal" means proven within this relative gap
 
 _Var = dict[tuple[int, int, int], pulp.LpVariable]
 
 
-def _build_ilp(c: _Costs, segs: _Segments, start: Sequence[int]) -> tuple[pulp.LpProblem, _Var]:
+def build_ilp(c: SegmentCosts, segs: Segments, start: Sequence[int]) -> tuple[pulp.LpProblem, _Var]:
     """The segment ILP of the :mod:`planner.solve` docstring, with `start` as initial values."""
     prob = pulp.LpProblem("partition", pulp.LpMinimize)
     # PuLP ≥ 3.3 owns variables through the problem (LpVariable() is deprecated there)
@@ -64,15 +74,15 @@ def _build_ilp(c: _Costs, segs: _Segments, start: Sequence[int]) -> tuple[pulp.L
 
 
 @dataclass(frozen=True)
-class _Outcome:
-    proven: bool  # the solver proved optimality (within _MIP_REL_GAP)
+class Outcome:
+    proven: bool  # the solver proved optimality (within MIP_REL_GAP)
     limited: bool  # its time limit stopped it
     has_solution: bool
     bound: float | None  # the solver's own dual bound
     detail: str  # the solver's words
 
 
-class _HiGHS(pulp.HiGHS):
+class HighsSolver(pulp.HiGHS):
     """PuLP's HiGHS through highspy, plus the initial solution PuLP 3.3 drops."""
 
     def callSolver(self, lp: pulp.LpProblem) -> None:
@@ -121,18 +131,20 @@ def _silence_highs_banner() -> None:
         os.close(saved)
 
 
-def _run_highs(prob: pulp.LpProblem, time_limit: float | None, threads: int | None) -> _Outcome:
+def run_highs(prob: pulp.LpProblem, time_limit: float | None, threads: int | None) -> Outcome:
     _silence_highs_banner()
     import highspy
 
     kw = {"random_seed": 0, "mip_abs_gap": 1e-9}
-    prob.solve(_HiGHS(msg=False, gapRel=_MIP_REL_GAP, timeLimit=time_limit, threads=threads, **kw))
+    prob.solve(
+        HighsSolver(msg=False, gapRel=MIP_REL_GAP, timeLimit=time_limit, threads=threads, **kw)
+    )
     h = prob.solverModel
     status = h.getModelStatus()
     info = h.getInfo()
     has = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
     bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else None
-    return _Outcome(
+    return Outcome(
         proven=status == highspy.HighsModelStatus.kOptimal and prob.status == pulp.LpStatusOptimal,
         limited=status == highspy.HighsModelStatus.kTimeLimit,
         has_solution=has and prob.status == pulp.LpStatusOptimal,
@@ -159,13 +171,13 @@ def _cbc(**kw: object) -> pulp.LpSolver:
     )
 
 
-def _run_cbc(prob: pulp.LpProblem, time_limit: float | None, threads: int | None) -> _Outcome:
+def run_cbc(prob: pulp.LpProblem, time_limit: float | None, threads: int | None) -> Outcome:
     with tempfile.TemporaryDirectory() as tmp:
         log_path = os.path.join(tmp, "cbc.log")
         solver = _cbc(
             msg=False,
             timeLimit=time_limit,
-            gapRel=_MIP_REL_GAP,
+            gapRel=MIP_REL_GAP,
             threads=threads,
             warmStart=True,
             logPath=log_path,
@@ -188,7 +200,7 @@ def _run_cbc(prob: pulp.LpProblem, time_limit: float | None, threads: int | None
     if lower:
         with contextlib.suppress(ValueError):
             bound = float(lower.group(1))
-    return _Outcome(
+    return Outcome(
         proven=proven,
         limited="Stopped on time" in words or "Stopped on time" in text,
         has_solution=prob.status == pulp.LpStatusOptimal
@@ -200,7 +212,7 @@ def _run_cbc(prob: pulp.LpProblem, time_limit: float | None, threads: int | None
     )
 
 
-def _pick_solver(name: str) -> str:
+def pick_solver(name: str) -> str:
     """The solver to run for ``name`` ("auto": HiGHS when installed, else CBC).
 
     Raises:
@@ -224,7 +236,7 @@ def _pick_solver(name: str) -> str:
     return "highs"
 
 
-def _chosen_path(c: _Costs, x: _Var) -> list[int] | None:
+def chosen_path(c: SegmentCosts, x: _Var) -> list[int] | None:
     chosen = {(s, a): b for (s, a, b), v in x.items() if (v.varValue or 0.0) > 0.5}
     idx = [0]
     for s in range(c.S):

@@ -6,6 +6,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+__all__ = [
+    "SOLVERS",
+    "CutFn",
+    "PartitionInfeasible",
+    "PartitionProblem",
+    "PartitionSolution",
+    "PartitionTimeout",
+    "SegFn",
+    "SolverUnavailable",
+    "Status",
+    "format_bytes",
+]
+
+SOLVERS = ("auto", "highs", "cbc")
+"""The solvers a partition can be solved with ("auto": HiGHS when installed, else CBC)."""
+
 SegFn = Callable[[int, int, int], float]
 CutFn = Callable[[int, int], float]
 Status = Literal["optimal", "time_limit", "heuristic"]
@@ -133,6 +149,8 @@ class PartitionSolution:
             bound, whichever is higher.
         solver: "highs" or "cbc".
         solve_s: wall seconds of the whole call.
+        solver_s: of those, the seconds inside the MILP solver (0 when it did
+            not run).
         n_segments: binaries in the ILP after pruning.
         solver_status: the solver's own words, for the record.
     """
@@ -148,11 +166,13 @@ class PartitionSolution:
     bound: float | None
     solver: str
     solve_s: float
+    solver_s: float = 0.0
     n_segments: int
     solver_status: str = ""
 
 
-def _fmt_bytes(x: float) -> str:
+def format_bytes(x: float) -> str:
+    """A size with its binary unit, one decimal: "1.5 GiB", "12.0 MiB", "512 B"."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(x) >= size:
             return f"{x / size:.1f} {unit}"

@@ -40,24 +40,26 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from planner.solve.costs import _Costs
+from planner.solve.segments import SegmentCosts
+
+__all__ = ["PRUNE_ROUNDS", "TOL", "Layer", "Segments", "prune"]
 
 log = logging.getLogger(__name__)
 
-_TOL = 1e-9  # relative slack when comparing bounds with the incumbent
+TOL = 1e-9  # relative slack when comparing bounds with the incumbent
 
 # per stage: {start index a: [(end index b, w, cut, r), ...]}; r < 0 means "not asked yet"
-_Layer = dict[int, list[tuple[int, float, float, float]]]
-_Table = list[dict[int, float]]
-_ROUNDS = 20  # pruning rounds at most (each only removes segments)
+Layer = dict[int, list[tuple[int, float, float, float]]]
+Table = list[dict[int, float]]
+PRUNE_ROUNDS = 20  # pruning rounds at most (each only removes segments)
 # Buckets per round: a family gets 8·k (2-D: (3·k)²) with k = √(_BUCKET_BUDGET / segments)
 # clamped to 1..4, so a shrinking set gets finer buckets for about the same cost.
 _BUCKET_BUDGET = 2e5
 
 
 @dataclass(frozen=True)
-class _Segments:
-    layers: list[_Layer]
+class Segments:
+    layers: list[Layer]
     w_lb: float
     a_lb: float
     root: float  # a lower bound on every placement's T: see [Note: root bounds]
@@ -69,11 +71,11 @@ class _Segments:
 
 
 def _sweeps(
-    c: _Costs, layers: list[_Layer], ycap: float, rcap: float
-) -> tuple[_Table, _Table, list[int] | None]:
+    c: SegmentCosts, layers: list[Layer], ycap: float, rcap: float
+) -> tuple[Table, Table, list[int] | None]:
     """F, G over segments with y ≤ ycap and r ≤ rcap, and the least-Σ placement among them."""
     S = c.S
-    F: _Table = [{0: 0.0}] + [{} for _ in range(S)]
+    F: Table = [{0: 0.0}] + [{} for _ in range(S)]
     back: list[dict[int, int]] = [{} for _ in range(S)]
     for s in range(S):
         Fs, Fn, bk = F[s], F[s + 1], back[s]
@@ -84,7 +86,7 @@ def _sweeps(
             for b, w, cut, r in row:
                 if w <= ycap and cut <= ycap and r <= rcap and fa + w + cut < Fn.get(b, math.inf):
                     Fn[b], bk[b] = fa + w + cut, a
-    G: _Table = [{} for _ in range(S)] + [{c.K: 0.0}]
+    G: Table = [{} for _ in range(S)] + [{c.K: 0.0}]
     for s in range(S - 1, -1, -1):
         Gn, Gs = G[s + 1], G[s]
         for a, row in layers[s].items():
@@ -102,7 +104,7 @@ def _sweeps(
     return F, G, idx[::-1]
 
 
-def _bottleneck(layers: list[_Layer], value: Callable[[float, float, float], float]) -> float:
+def _bottleneck(layers: list[Layer], value: Callable[[float, float, float], float]) -> float:
     """min over placements of max over stages of value(w, cut, r) (bottleneck-path DP)."""
     B: dict[int, float] = {0: 0.0}
     for layer in layers:
@@ -125,13 +127,13 @@ def _grid(lo: float, top: float, n: int) -> list[tuple[float, float]]:
     return list(zip([lo, *caps], caps, strict=False))
 
 
-def _prune(
-    c: _Costs,
+def prune(
+    c: SegmentCosts,
     U: float,
     incumbent: Sequence[int],
     deadline: float = math.inf,
-    rounds: int = _ROUNDS,
-) -> _Segments:
+    rounds: int = PRUNE_ROUNDS,
+) -> Segments:
     """The segments that can be in a placement with T ≤ U: see [Note: segment pruning].
 
     The first round always runs (the ILP needs it); later rounds stop at the deadline,
@@ -139,10 +141,10 @@ def _prune(
     """
     S, m, inf = c.S, c.m, math.inf
     inc = list(incumbent)
-    layers: list[_Layer] = []
-    reach, wcap = {0}, U / m * (1 + _TOL)
+    layers: list[Layer] = []
+    reach, wcap = {0}, U / m * (1 + TOL)
     for s in range(S):  # forward, so only reachable starts are walked
-        layer: _Layer = {}
+        layer: Layer = {}
         ok = range(s + 1, c.hi(s + 1) + 1) if s < S - 1 else range(c.K, c.K + 1)
         cuts = [c.cut(s, b) if b in ok else inf for b in range(c.K + 1)]
         for a in sorted(reach):
@@ -158,7 +160,7 @@ def _prune(
         w_lb = _bottleneck(layers, lambda w, cut, r: max(w, cut))
         a_lb = 0.0 if first else _bottleneck(layers, lambda w, cut, r: r)
         sum_lb = _sweeps(c, layers, inf, inf)[1][0][0]
-        slack = _TOL * max(1.0, abs(U))
+        slack = TOL * max(1.0, abs(U))
         # Bucket (ylo, ycap, rlo, rcap): placements whose bottleneck Y lies in (ylo, ycap]
         # and whose all-reduce A lies in (rlo, rcap]. A family of buckets covers every
         # placement that could beat U; each family gives a lower bound, the larger wins.
@@ -177,7 +179,7 @@ def _prune(
                     if ylo * (m - 1) + rlo + sum_lb <= U + slack
                 ]
             )
-        tables: list[list[tuple[float, float, float, float, _Table, _Table]]] = []
+        tables: list[list[tuple[float, float, float, float, Table, Table]]] = []
         for family in families:
             tables.append([])
             for ylo, ycap, rlo, rcap in family:
@@ -189,9 +191,9 @@ def _prune(
             min(G[0].get(0, inf) + (m - 1) * ylo + rlo for ylo, _, rlo, _, _, G in t)
             for t in tables
         )
-        limit = U + _TOL * max(1.0, abs(U))
+        limit = U + TOL * max(1.0, abs(U))
         must = {(s, inc[s], inc[s + 1]) for s in range(S)}
-        new: list[_Layer] = []
+        new: list[Layer] = []
         for s in range(S):
             layer = {}
             for a, row in layers[s].items():
@@ -222,17 +224,17 @@ def _prune(
             break
         log.debug("prune round: %d segments, U %.6g, root %.6g", n_now, U, root)
         count, first = n_now, False
-    return _Segments(_trim(c, layers), w_lb, a_lb, min(root, U), inc)
+    return Segments(_trim(c, layers), w_lb, a_lb, min(root, U), inc)
 
 
-def _trim(c: _Costs, layers: list[_Layer]) -> list[_Layer]:
+def _trim(c: SegmentCosts, layers: list[Layer]) -> list[Layer]:
     """Drop segments no full placement passes through (dead ends left by a stopped prune)."""
     ends = {0}
-    fwd: list[_Layer] = []
+    fwd: list[Layer] = []
     for layer in layers:
         fwd.append({a: row for a, row in layer.items() if a in ends})
         ends = {seg[0] for row in fwd[-1].values() for seg in row}
-    out: list[_Layer] = []
+    out: list[Layer] = []
     live = {c.K}
     for layer in reversed(fwd):
         kept = {a: [seg for seg in row if seg[0] in live] for a, row in layer.items()}

@@ -1,0 +1,210 @@
+"""What every stage figure of one layout is priced from: the layout, and tables of the blocks.
+
+:class:`Layout` is a configuration (pp × dp × m, the schedule, which rank runs
+which stage); :class:`CostBasis` joins it with the profiles, the cluster and
+the training: prefix sums over the blocks (so any run of blocks costs O(1)),
+the bytes per parameter, the tied sets, and each stage's device types and
+usable memory. ``stage_time`` and ``stage_memory`` price from it.
+
+Pure: no torch. Times in milliseconds, sizes in bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from planner.devices.cluster import Cluster
+from planner.options import OPTIMIZERS, PRECISIONS, Training
+from planner.plan.records import DTYPE_BYTES, ModelProfile
+from planner.plan.schedule import SCHEDULES, in_flight
+
+__all__ = ["BlockTable", "CostBasis", "Layout", "RangeMax", "state_bytes"]
+
+
+def state_bytes(precision: str, optimizer: str) -> tuple[float, float, float]:
+    """Bytes per parameter of (weights, gradients, optimizer state).
+
+    fp32: 4 + 4 + (Adam: two fp32 moments = 8; SGD with momentum: 4).
+    bf16-mixed: bf16 weights and gradients (2 + 2), plus fp32 master weights in
+    the optimizer state (4 + Adam's 8 = 12; SGD's 4 + 4 = 8): 16 B/param with
+    Adam, as in the ZeRO paper.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    moments = 8.0 if optimizer in ("adam", "adamw") else 4.0
+    if precision == "fp32":
+        return 4.0, 4.0, moments
+    return 2.0, 2.0, 4.0 + moments
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Pipeline depth × data-parallel width × micro-batching, and the devices.
+
+    Attributes:
+        pp, dp, micro_batches, schedule: as named.
+        ranks: ``ranks[s][r]`` is the cluster rank running stage s of replica r.
+    """
+
+    pp: int
+    dp: int
+    micro_batches: int
+    schedule: str
+    ranks: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"
+            )
+        if len(self.ranks) != self.pp or any(len(r) != self.dp for r in self.ranks):
+            raise ValueError(f"ranks must be {self.pp} stages × {self.dp} replicas")
+
+    def micro_batch_size(self, global_batch: int) -> int:
+        per = self.dp * self.micro_batches
+        if global_batch % per:
+            raise ValueError(
+                f"global batch {global_batch} is not divisible by dp × micro-batches = "
+                f"{self.dp} × {self.micro_batches} = {per}"
+            )
+        return global_batch // per
+
+    def in_flight(self, stage: int) -> int:
+        """Micro-batches whose activations stage ``stage`` holds at its peak."""
+        return in_flight(self.schedule, self.pp, self.micro_batches, stage)
+
+
+class RangeMax:
+    """max(xs[i:j]) in O(1) after O(n log n) preparation (a sparse table); ties: first index."""
+
+    def __init__(self, xs: Sequence[float]) -> None:
+        level = [(x, -k) for k, x in enumerate(xs)]
+        self.levels = [level]
+        width = 1
+        while 2 * width <= len(level):
+            prev = self.levels[-1]
+            self.levels.append([max(prev[a], prev[a + width]) for a in range(len(prev) - width)])
+            width *= 2
+
+    def __call__(self, i: int, j: int) -> tuple[float, int]:
+        """(max of xs[i:j], its index), i < j."""
+        k = (j - i).bit_length() - 1
+        level = self.levels[k]
+        value, neg = max(level[i], level[j - (1 << k)])
+        return value, -neg
+
+
+class BlockTable:
+    """Prefix sums and range maxima over one profile's blocks, for O(1) segment costs."""
+
+    def __init__(self, prof: ModelProfile, grad_per_param_byte: float, act_scale: float) -> None:
+        b = prof.blocks
+        self.n = len(b)
+        self.fwd = [0.0, *accumulate(x.fwd_ms for x in b)]
+        self.bwd = [0.0, *accumulate(x.bwd_ms for x in b)]
+        self.params = [0.0, *accumulate(float(x.param_bytes) for x in b)]
+        self.buffers = [0.0, *accumulate(float(x.buffer_bytes) for x in b)]
+        self.act = [0.0, *accumulate(float(x.activation_bytes) * act_scale for x in b)]
+        self.boundary = [float(x.boundary_bytes) for x in b]
+        self.output = [float(x.output_bytes) for x in b]
+        self.loss_fwd = prof.loss_fwd_ms
+        self.loss_bwd = prof.loss_bwd_ms
+        self.input_bytes = float(prof.input_bytes)
+        # [Note: the memory peak], the first backward: after block k's backward the
+        # gradients of blocks k.. exist and the activations of blocks ..k still do.
+        grads = [p * grad_per_param_byte for p in self.params]
+        self.backward_curve = RangeMax([self.act[k + 1] - grads[k] for k in range(self.n)])
+        self.grads = grads
+        # A block's backward holds its output's gradient and its input's: the sums of
+        # neighbouring outputs (the first block of a stage uses the stage's input).
+        pairs = [self.output[k] + (self.output[k - 1] if k else 0.0) for k in range(self.n)]
+        self.grad_pair = RangeMax([x * act_scale for x in pairs])
+        self.max_params = RangeMax([float(x.param_bytes) for x in b])
+        # [Note: the CPU optimizer step]: parameter tensors, two per module call.
+        self.tensors = [0, *accumulate(2 * len(x.modules) if x.param_bytes else 0 for x in b)]
+
+
+class CostBasis:
+    """The layout's shared facts, checked (see the module docstring).
+
+    Args:
+        profiles: per device type (catalogue key), the model's profile at this
+            layout's micro-batch size.
+        cluster, training, layout: as named.
+
+    Raises:
+        ValueError: a stage's device type has no profile, a profile is for
+            another micro-batch size, or the profiles' chains differ.
+    """
+
+    def __init__(
+        self,
+        profiles: Mapping[str, ModelProfile],
+        cluster: Cluster,
+        training: Training,
+        layout: Layout,
+    ) -> None:
+        self.cluster = cluster
+        self.training = training
+        self.layout = layout
+        self.micro_batch_size = layout.micro_batch_size(training.global_batch)
+        self.stage_types = [
+            sorted({cluster.devices[r].device.key for r in layout.ranks[s]})
+            for s in range(layout.pp)
+        ]
+        missing = {t for ts in self.stage_types for t in ts} - set(profiles)
+        if missing:
+            raise ValueError(f"no profile for device type(s) {sorted(missing)}")
+        any_prof = next(iter(profiles.values()))
+        for key, prof in profiles.items():
+            if prof.batch_size != self.micro_batch_size:
+                raise ValueError(
+                    f"the {key} profile is for micro-batch {prof.batch_size}, "
+                    f"the layout needs {self.micro_batch_size}"
+                )
+            if len(prof.blocks) != len(any_prof.blocks):
+                raise ValueError("profiles of different device types have different blocks")
+        self.profile = any_prof
+        self.n_blocks = len(any_prof.blocks)
+        self.weights_b, self.grads_b, self.optim_b = state_bytes(
+            training.precision, training.optimizer
+        )
+        self.param_elem = DTYPE_BYTES.get(any_prof.dtype, 4)
+        # Activations are profiled in the profile's dtype; bf16-mixed halves fp32 ones.
+        self.act_scale = 0.5 if training.precision == "bf16-mixed" and self.param_elem == 4 else 1.0
+        self.tables = {
+            k: BlockTable(p, self.grads_b / self.param_elem, self.act_scale)
+            for k, p in profiles.items()
+        }
+        self.capacity = [
+            min(cluster.devices[r].device.memory_bytes for r in layout.ranks[s])
+            * (1 - training.memory_headroom)
+            for s in range(layout.pp)
+        ]
+        # (owner block, bytes, user blocks) of each tied set.
+        self.tied = [(min(t.blocks), float(t.nbytes), t.blocks) for t in any_prof.tied if t.blocks]
+
+    def table(self, s: int) -> BlockTable:
+        """The block table of stage s's (first) device type."""
+        return self.tables[self.stage_types[s][0]]
+
+    def tied_in(self, i: int, j: int) -> list[float]:
+        """Bytes of each tied tensor that blocks [i, j) use."""
+        return [nbytes for _, nbytes, users in self.tied if any(i <= u < j for u in users)]
+
+    def tied_copy_bytes(self, i: int, j: int) -> float:
+        """Bytes of tied tensors blocks [i, j) use but whose owner block is elsewhere."""
+        return sum(
+            nbytes
+            for owner, nbytes, users in self.tied
+            if not i <= owner < j and any(i <= u < j for u in users)
+        )
+
+    def parameters(self, s: int, i: int, j: int) -> float:
+        """Parameters (a count) of blocks [i, j), their tied copies excluded."""
+        tab = self.table(s)
+        return (tab.params[j] - tab.params[i]) / self.param_elem

@@ -1,0 +1,268 @@
+"""The time of a stage: its compute, its sends, its all-reduce, its tied exchange, its step.
+
+For a stage holding blocks ``[i, j)`` of a layout (``pp`` stages × ``dp``
+replicas, ``m`` micro-batches of ``b = B / (dp·m)`` samples):
+
+* **compute** per micro-batch: Σ forward and Σ backward of its blocks at ``b``
+  on the stage's device type (+ the loss on the last stage, + one more forward
+  when the stage recomputes activations), plus a fixed cost per pipeline
+  action (``ACTION_OVERHEAD_MS``: the schedule's bookkeeping and p2p handshake).
+  Local CPU processes share the machine's cores ([Note: shared cores] in
+  :mod:`planner.cost.simulate`, :func:`cpu_speeds`): the simulation slows the
+  stages that compute at once; the per-action figures reported are the steady
+  state's.
+* **p2p**: the bytes live across the split point (``boundary_bytes``, skip
+  connections included) sent forward, and their gradients sent back, over the
+  link joining the two stages' devices: latency + bytes / bandwidth (between
+  CPU processes slowed like compute, and with a wake-up wait when the cores are
+  oversubscribed: ``CPU_OVERSUBSCRIBED_WAKEUP_S``).
+* **all-reduce** of the stage's gradients across its ``dp`` replicas (ring:
+  2(n−1)/n · bytes / bandwidth), inside the stage's last backward (DDP), so it
+  delays the gradient sent to the stage before; then the all-reduce of tied
+  weights among the stages holding them, which start it together ([Note: tied
+  copies]); then the **optimizer step**: on GPUs a memory-bound pass over
+  weights, gradients and optimizer state at the device's memory bandwidth, on
+  CPUs per tensor ([Note: the CPU optimizer step]).
+
+Pure: no torch. Times in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner.cost.basis import CostBasis
+
+__all__ = [
+    "ACTION_OVERHEAD_MS",
+    "CPU_CORUN_SLOWDOWN",
+    "CPU_OVERSUBSCRIBED_WAKEUP_S",
+    "StageTime",
+    "cpu_speeds",
+]
+
+# Fixed cost of one pipeline action (a forward or a backward of one micro-batch
+# on one stage), on top of the blocks' measured time: the schedule's Python
+# bookkeeping and the p2p handshake. gloo: measured by bench/bench_runtime.py
+# on a near-empty stage, 0.56–0.70 ms (median 0.68) per action on the 2-core
+# machine. NCCL: kernel-launch scale, not measured here (no GPU lent).
+ACTION_OVERHEAD_MS = {"gloo": 0.7, "nccl": 0.05}
+
+# Local CPU "devices" share one machine's memory system: with every process
+# computing at once, each stage's fwd+bwd ran 1.09–1.29× slower than alone
+# (bench/bench_runtime.py, "corun"); the profile measures one process alone.
+# Applied while more than one process computes (see cpu_speeds).
+CPU_CORUN_SLOWDOWN = 1.15
+
+# When local CPU processes outnumber the cores (pp × dp × threads > cores), a
+# process woken by a message often waits for a core first: about a scheduler time
+# slice. Fitted on the 2-core machine, pp 2 × dp 2 (4 processes): 2 ms per message
+# (before the time-slicing factor, so ~4.6 ms in all) took the step errors of the
+# four examples from −14…−21 % to −7…+2 % (bench/bench_accuracy.py).
+CPU_OVERSUBSCRIBED_WAKEUP_S = 2e-3
+
+# [Note: the CPU optimizer step] On CPU torch steps one parameter tensor at a
+# time (the foreach path is the default on GPUs only): per tensor a run of small
+# ops, each costing a dispatch (the device's measured ``op_overhead_s``), and per
+# parameter the traffic of those ops: Adam reads and writes 18 fp32 values (the
+# moments' updates, sqrt, division, the addcdiv into the weights: 72 B), AdamW one
+# more pass for the decay, SGD with momentum 8 (32 B), at the measured memory
+# bandwidth, split over the process's threads (the ops are elementwise and the
+# tensors, a few MB each, mostly stay in cache). Measured on the 2-core machine:
+# Adam 22 µs per tensor (19 op overheads) and 1.8–5.7 ns per parameter with 1
+# thread (72 B at its 21-23 GB/s: 3.1-3.4), 1.5–2.6 with 2; SGD 6.6 µs per
+# tensor, 0.3–0.7 ns per parameter. Tensors per block: two per module call
+# (weight and bias), the profile does not count them.
+_CPU_STEP = {"adam": (19, 72.0), "adamw": (21, 80.0), "sgd": (6, 32.0)}
+
+
+def cpu_speeds(*, stages: int, processes: int, threads: int, cores: int) -> list[float]:
+    """[Note: shared cores] for local CPU processes: the speed of each computing
+    process while k of the ``stages`` compute at once (k = 1 … stages).
+
+    The ``processes`` of a node (each with ``threads`` torch threads) are spread
+    over the stages, so k computing stages keep k/stages of them busy. More
+    threads than ``cores`` are time-sliced (speed cores / threads busy), and two
+    or more processes running at once share the memory bandwidth
+    (``CPU_CORUN_SLOWDOWN``).
+
+    Example::
+
+        cpu_speeds(stages=2, processes=4, threads=1, cores=2)  # pp 2 × dp 2: [0.87, 0.43]
+    """
+    out = []
+    for k in range(1, stages + 1):
+        busy = max(1.0, k * processes / stages)  # processes computing
+        share = min(1.0, cores / (busy * threads))
+        running = min(busy, cores / threads)  # processes on a core at any instant
+        out.append(share / (CPU_CORUN_SLOWDOWN if running > 1 else 1.0))
+    return out
+
+
+class StageTime:
+    """Every time figure of a stage of one layout (see the module docstring).
+
+    Attributes:
+        overhead: the fixed cost of one pipeline action (ms).
+        speeds: ``speeds[k − 1]``, the speed of a computing stage while k compute.
+        compute_scale: 1 / the steady state's speed (all stages computing): the
+            factor from a figure alone to the figure the closed form and the
+            stage table use.
+        comm_scale: the same for transfers (between CPU processes they are CPU
+            work too: loopback copies), 1 elsewhere.
+        wakeup_s: the wait per message when the cores are oversubscribed.
+    """
+
+    def __init__(self, basis: CostBasis) -> None:
+        self.b = basis
+        backend = basis.cluster.backend
+        self.overhead = ACTION_OVERHEAD_MS.get(backend, 0.0)
+        self.speeds = self._speeds()
+        self.compute_scale = 1.0 / self.speeds[-1]
+        self.comm_scale = self.compute_scale if backend == "gloo" else 1.0
+        self.wakeup_s = CPU_OVERSUBSCRIBED_WAKEUP_S if self._oversubscribed() else 0.0
+
+    # ----------------------------------------------------------------- compute
+
+    def _cpu_processes(self) -> tuple[int, int]:
+        """(processes computing on the busiest node, torch threads each) of this layout."""
+        cluster = self.b.cluster
+        ranks = [r for stage in self.b.layout.ranks for r in stage]
+        threads = max(cluster.devices[r].threads for r in ranks) or 1
+        return min(max(cluster.devices_per_node()), len(ranks)), threads
+
+    def _speeds(self) -> list[float]:
+        """Speed of a stage while k stages compute at once ([Note: shared cores])."""
+        pp = self.b.layout.pp
+        if self.b.cluster.backend != "gloo":
+            return [1.0] * pp
+        processes, threads = self._cpu_processes()
+        cores = self.b.cluster.cores_per_node
+        return cpu_speeds(stages=pp, processes=processes, threads=threads, cores=cores)
+
+    def _oversubscribed(self) -> bool:
+        """More busy threads than cores on a node, with every stage computing."""
+        if self.b.cluster.backend != "gloo":
+            return False
+        processes, threads = self._cpu_processes()
+        return processes * threads > self.b.cluster.cores_per_node
+
+    def fwd(self, s: int, i: int, j: int) -> float:
+        """One micro-batch's forward on stage s holding blocks [i, j), steady state (ms)."""
+        out = 0.0
+        for t in self.b.stage_types[s]:
+            tab = self.b.tables[t]
+            v = tab.fwd[j] - tab.fwd[i] + (tab.loss_fwd if j == self.b.n_blocks else 0.0)
+            out = max(out, v)
+        return (out + self.overhead) * self.compute_scale
+
+    def bwd(self, s: int, i: int, j: int, recompute: bool) -> float:
+        """One micro-batch's backward (and the recomputed forward), steady state (ms)."""
+        out = 0.0
+        for t in self.b.stage_types[s]:
+            tab = self.b.tables[t]
+            v = tab.bwd[j] - tab.bwd[i] + (tab.loss_bwd if j == self.b.n_blocks else 0.0)
+            if recompute:
+                v += tab.fwd[j] - tab.fwd[i]
+            out = max(out, v)
+        return (out + self.overhead) * self.compute_scale
+
+    # ----------------------------------------------------------------- communication
+
+    def cut(self, s: int, j: int) -> tuple[float, float]:
+        """(forward, backward) transfer time per micro-batch on link s → s+1 at block j."""
+        b = self.b
+        nbytes = b.table(s).boundary[j] * b.act_scale
+        worst = 0.0
+        for r in range(b.layout.dp):
+            src, dst = b.layout.ranks[s][r], b.layout.ranks[s + 1][r]
+            worst = max(worst, b.cluster.p2p_time(src, dst, nbytes) + self.wakeup_s)
+        return worst * 1e3 * self.comm_scale, worst * 1e3 * self.comm_scale
+
+    def optimizer_ms(self, s: int, i: int, j: int) -> float:
+        """The optimizer step of stage s (tied copies included).
+
+        GPUs: a memory-bound pass, weights and state read and written and the
+        gradients read once, at the device's memory bandwidth. Local CPUs: see
+        [Note: the CPU optimizer step].
+        """
+        b = self.b
+        tab = b.table(s)
+        copies = b.tied_copy_bytes(i, j) / b.param_elem
+        n_params = b.parameters(s, i, j) + copies
+        cpu = b.cluster.backend == "gloo"
+        if cpu:
+            ops, per_param = _CPU_STEP[b.training.optimizer]
+            moved = n_params * per_param
+            tensors = tab.tensors[j] - tab.tensors[i] + (1 if copies else 0)
+        else:
+            moved = n_params * (2 * (b.weights_b + b.optim_b) + b.grads_b)
+        slowest = 0.0
+        for r in b.layout.ranks[s]:
+            dev = b.cluster.devices[r].device
+            t = moved / (dev.memory_bandwidth * dev.memory_efficiency)
+            if cpu:  # every process steps at the end: the steady state's speed
+                threads = max(1, b.cluster.devices[r].threads)
+                t = (t / threads + tensors * ops * dev.op_overhead_s) * self.compute_scale
+            slowest = max(slowest, t)
+        return slowest * 1e3
+
+    def reduce_ms(self, s: int, i: int, j: int) -> float:
+        """DDP's all-reduce of stage s's gradients across its replicas (tied copies
+        included), in ms; it runs inside the stage's last backward."""
+        b = self.b
+        if b.layout.dp == 1:
+            return 0.0
+        n_params = b.parameters(s, i, j) + b.tied_copy_bytes(i, j) / b.param_elem
+        t = b.cluster.allreduce_time(b.layout.ranks[s], n_params * b.grads_b)
+        t += 2 * (b.layout.dp - 1) * self.wakeup_s  # a ring's 2(n − 1) messages
+        return t * 1e3 * self.comm_scale
+
+    def tied_ms(self, s: int, i: int, j: int) -> float:
+        """The all-reduce of tied weights' gradients that stage s shares with other
+        stages, in ms.
+
+        [Note: tied copies] A stage using a tied tensor whose owner block sits
+        on another stage holds a copy; the copy's gradient is all-reduced with
+        the owner's every step, by every stage holding one (the owner too), and
+        none of them goes on before all have joined. Which other stages hold it
+        is not known per segment, so the exchange is priced on the slowest link
+        from this stage to any other stage of the replica.
+        """
+        b = self.b
+        nbytes = sum(
+            n
+            for owner, n, users in b.tied
+            if any(i <= u < j for u in users) and not all(i <= u < j for u in users)
+        )
+        if not nbytes:
+            return 0.0
+        grads = nbytes / b.param_elem * b.grads_b
+        me = b.layout.ranks[s][0]
+        others = [b.layout.ranks[o][0] for o in range(b.layout.pp) if o != s]
+        worst = max(
+            (b.cluster.allreduce_time((o, me), grads) + 2 * self.wakeup_s for o in others),
+            default=0.0,
+        )
+        return self.comm_scale * 1e3 * worst
+
+    def sync(self, s: int, i: int, j: int) -> float:
+        """The step's tail on stage s (ms): DDP's gradient all-reduce, the tied
+        weights' exchange ([Note: tied copies]), then the optimizer step."""
+        return self.reduce_ms(s, i, j) + self.tied_ms(s, i, j) + self.optimizer_ms(s, i, j)
+
+    def joined(self, bounds: Sequence[int]) -> list[list[int]]:
+        """Groups of stages that all-reduce tied weights together (a collective)."""
+        b = self.b
+        groups: list[set[int]] = []
+        for _, _, users in b.tied:
+            stages = {
+                s for s in range(b.layout.pp) for u in users if bounds[s] <= u < bounds[s + 1]
+            }
+            if len(stages) < 2:
+                continue
+            for g in [g for g in groups if g & stages]:
+                groups.remove(g)
+                stages |= g
+            groups.append(stages)
+        return [sorted(g) for g in groups]

@@ -1,0 +1,345 @@
+"""Load a user's ``model.py``: the model, a sample batch and the loss, behind one contract.
+
+The model-file contract
+=======================
+
+A model file is a plain Python file. The planner *imports* it as a module (its
+top-level code runs, as ``import`` would run it) and calls the names below;
+nothing is executed into the planner's globals. It defines:
+
+``build_model(**overrides) -> torch.nn.Module`` (required)
+    Builds the model. The planner calls it with no arguments, so every keyword
+    needs a default; keywords are for programmatic use (tests, sweeps).
+``sample_batch(batch_size: int) -> (inputs, targets)`` (required)
+    One batch. ``inputs`` is a Tensor (the forward's one positional argument),
+    a tuple or list (its positional arguments) or a dict (its keyword
+    arguments); ``targets`` is whatever the loss takes. The first tensor of
+    ``inputs`` and every tensor of ``targets`` (0-d ones excepted) have
+    ``batch_size`` as dim 0: the dimension cut into micro-batches.
+``loss_fn(outputs, targets) -> Tensor`` (optional)
+    The scalar training loss. Without it, :func:`default_loss` is used.
+``BATCH_SIZE: int`` (optional, default 8)
+    The default global batch size.
+
+The module is registered in ``sys.modules`` as ``_planner_model_<hash>`` (a hash
+of the absolute path), so it never shadows a module of the user's own and its
+``if __name__ == "__main__":`` block does not run. Loading a path again re-reads
+the file (no bytecode cache), so edits take effect. During the import the
+file's folder is first on ``sys.path`` so it can import sibling modules; those
+are imported the ordinary way (cached under their own names, not reloaded with
+the model file). ``sys.path`` is restored afterwards. Loading edits ``sys.path``
+and ``sys.modules``: load from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from planner.plan.batch import Batch, normalize_inputs, tensors_in
+from planner.plan.default_loss import default_loss
+
+__all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "MODULE_PREFIX",
+    "ModelFile",
+    "ModelFileError",
+    "load_model_file",
+]
+
+DEFAULT_BATCH_SIZE = 8
+"""The global batch size when a model file sets no ``BATCH_SIZE``."""
+
+MODULE_PREFIX = "_planner_model_"
+"""The start of a loaded model file's module name (then a hash of its path)."""
+
+_REQUIRED = ("build_model", "sample_batch")
+_OPTIONAL = ("loss_fn", "BATCH_SIZE")
+_EXPECTED = (
+    "build_model(**overrides) -> nn.Module (required), "
+    "sample_batch(batch_size) -> (inputs, targets) (required), "
+    "loss_fn(outputs, targets) -> Tensor (optional), BATCH_SIZE: int (optional)"
+)
+
+
+class ModelFileError(ValueError):
+    """A model file breaks the contract; the message names the file, the cause and the fix."""
+
+
+def _error(path: Path, what: str, why: str, fix: str) -> ModelFileError:
+    return ModelFileError(f"{path}: {what}\n  why: {why}\n  fix: {fix}\n  contract: {_EXPECTED}")
+
+
+# ----------------------------------------------------------------------------- the model file
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A loaded model file: call its functions through here.
+
+    Example::
+
+        >>> mf = load_model_file("examples/mlp.py")  # doctest: +SKIP
+        >>> model, batch = mf.build(), mf.sample(mf.batch_size)  # doctest: +SKIP
+        >>> mf.loss(model(*batch.args, **batch.kwargs), batch.targets).backward()  # doctest: +SKIP
+
+    Attributes:
+        path: the file's absolute path.
+        module: the imported module.
+        batch_size: ``BATCH_SIZE`` from the file, or ``DEFAULT_BATCH_SIZE``.
+    """
+
+    path: Path
+    module: types.ModuleType
+    batch_size: int = DEFAULT_BATCH_SIZE
+
+    @property
+    def has_loss_fn(self) -> bool:
+        """Whether the file defines its own ``loss_fn``."""
+        return callable(getattr(self.module, "loss_fn", None))
+
+    def _raised(self, call: str, exc: Exception) -> ModelFileError:
+        return _error(
+            self.path,
+            f"{call} raised {type(exc).__name__}{_where(exc, self.path)}: {exc}",
+            "the planner needs the model and a sample batch to trace and profile it",
+            f"fix the error in {call.split('(')[0]} (the chained traceback shows the whole "
+            "stack; `planner -v` prints it); build_model is called with no arguments, so its "
+            "parameters need defaults",
+        )
+
+    def build(self) -> nn.Module:
+        """Call ``build_model()`` and check that it returned an ``nn.Module``.
+
+        Raises:
+            ModelFileError: ``build_model`` raised, or returned something else.
+        """
+        try:
+            model = self.module.build_model()
+        except Exception as exc:
+            raise self._raised("build_model()", exc) from exc
+        if not isinstance(model, nn.Module):
+            raise _error(
+                self.path,
+                f"build_model() returned {type(model).__name__}, not a torch.nn.Module",
+                "the planner traces, profiles and splits an nn.Module",
+                "return the model itself, e.g. `return MyModel()`",
+            )
+        return model
+
+    def sample(self, batch_size: int) -> Batch:
+        """Call ``sample_batch(batch_size)``, normalize it and check its batch dimension.
+
+        Raises:
+            ValueError: ``batch_size`` is not a positive int.
+            ModelFileError: ``sample_batch`` raised, did not return
+                ``(inputs, targets)``, or returned a batch of another size.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        call = f"sample_batch({batch_size})"
+        try:
+            result = self.module.sample_batch(batch_size)
+        except Exception as exc:
+            raise self._raised(call, exc) from exc
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            n = f" of length {len(result)}" if isinstance(result, (tuple, list)) else ""
+            raise _error(
+                self.path,
+                f"{call} returned a {type(result).__name__}{n}, not a pair (inputs, targets)",
+                "the planner feeds `inputs` to the model's forward and `targets` to the loss",
+                "end sample_batch with `return inputs, targets`",
+            )
+        inputs, targets = result
+        try:
+            args, kwargs = normalize_inputs(inputs)
+            batch = Batch(args=args, kwargs=kwargs, targets=targets)
+            size = batch.size
+        except (TypeError, ValueError) as exc:
+            raise _error(
+                self.path,
+                f"{call} returned unusable inputs: {exc}",
+                "the planner calls model(*args, **kwargs) and cuts dim 0 into micro-batches",
+                "return a Tensor, a tuple/list or a dict of tensors, batch first",
+            ) from exc
+        bad = [tuple(t.shape) for t in tensors_in(targets) if t.dim() > 0 and t.shape[0] != size]
+        if size != batch_size or bad:
+            got = f"inputs with batch dimension {size}" if size != batch_size else ""
+            got += " and " if got and bad else ""
+            got += f"targets of shape(s) {bad}" if bad else ""
+            raise _error(
+                self.path,
+                f"{call} returned {got}; dim 0 should be {batch_size}",
+                "the planner cuts dim 0 of the inputs and targets into micro-batches, and "
+                "needs the batch size it asked for",
+                "build the batch from the `batch_size` argument, batch first: (batch_size, ...)",
+            )
+        return batch
+
+    def loss(self, outputs: Any, targets: Any) -> Tensor:
+        """The training loss: the file's ``loss_fn``, or :func:`default_loss`.
+
+        Raises:
+            ModelFileError: ``loss_fn`` returned anything but a one-element tensor.
+        """
+        if not self.has_loss_fn:
+            return default_loss(outputs, targets)
+        value = self.module.loss_fn(outputs, targets)
+        if not isinstance(value, Tensor) or value.numel() != 1:
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise _error(
+                self.path,
+                f"loss_fn returned {got}, not a scalar tensor",
+                "the planner calls backward() on the loss",
+                "reduce the loss to one value, e.g. with .mean()",
+            )
+        return value
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
+    """Import a model file and check that it follows the contract (module docstring).
+
+    Loading runs the file's top-level code: load only files you trust.
+
+    Example::
+
+        >>> mf = load_model_file("examples/gpt.py")  # doctest: +SKIP
+        >>> mf.batch_size, mf.has_loss_fn  # doctest: +SKIP
+        (8, True)
+
+    Args:
+        path: the model file, a ``.py`` file.
+
+    Raises:
+        ModelFileError: the file is missing or not a ``.py`` file; importing it
+            raised (chained as ``__cause__``); ``build_model`` or ``sample_batch``
+            is missing or not callable; ``loss_fn`` is not callable; or
+            ``BATCH_SIZE`` is not a positive int.
+    """
+    given = Path(path).expanduser()
+    problem = ""
+    if not given.exists():
+        problem = "no such file"
+    elif given.is_dir():
+        problem = "is a directory, not a model file"
+    elif given.suffix != ".py":
+        problem = f"is not a Python file (suffix {given.suffix!r}, expected '.py')"
+    if problem:
+        raise _error(
+            given,
+            problem,
+            "the planner imports one Python file to build the model and a sample batch",
+            f"pass the path of a .py file (relative to {Path.cwd()}) that follows the contract",
+        )
+    resolved = given.resolve()
+    module = _import(resolved)
+    _check_names(resolved, module)
+    batch_size = getattr(module, "BATCH_SIZE", DEFAULT_BATCH_SIZE)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise _error(
+            resolved,
+            f"BATCH_SIZE is {batch_size!r}, not a positive int",
+            "it is the default global batch size the planner plans for",
+            f"set e.g. `BATCH_SIZE = 32`, or delete it for the default ({DEFAULT_BATCH_SIZE})",
+        )
+    return ModelFile(path=resolved, module=module, batch_size=batch_size)
+
+
+class _FreshSourceLoader(importlib.machinery.SourceFileLoader):
+    """Compiles from source every time: a quick edit never meets a stale ``.pyc``."""
+
+    def get_code(self, fullname: str) -> types.CodeType:
+        path = self.get_filename(fullname)
+        return self.source_to_code(self.get_data(path), path)
+
+
+def _import(path: Path) -> types.ModuleType:
+    name = MODULE_PREFIX + hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    spec = importlib.util.spec_from_file_location(
+        name, path, loader=_FreshSourceLoader(name, str(path))
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    folder = str(path.parent)
+    # In sys.modules while it runs: dataclasses, typing and pickle look classes
+    # up there. A reload replaces the entry with the fresh module.
+    sys.modules[name] = module
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        sys.modules.pop(name, None)
+        if isinstance(exc, SyntaxError) and exc.lineno and exc.filename == str(path):
+            line = f" at line {exc.lineno}"
+        else:
+            line = _where(exc, path)
+        raise _error(
+            path,
+            f"importing it raised {type(exc).__name__}{line}: {exc}",
+            "the planner imports the model file to find build_model and sample_batch",
+            f"fix the error (`python {path.name}` reproduces it; the chained traceback, "
+            f"`planner -v`, shows the whole stack). Sibling modules in {folder} are importable",
+        ) from exc
+    finally:
+        # Ours is at 0 unless the file edited sys.path; never drop an entry the user had.
+        if sys.path and sys.path[0] == folder:
+            del sys.path[0]
+        elif folder in sys.path:
+            sys.path.remove(folder)
+    return module
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    """' at line N (`source`)': the last line of ``path`` in the traceback, or ''."""
+    import linecache
+    import traceback
+
+    found = None
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        if frame.f_code.co_filename == str(path):
+            found = lineno
+    if found is None:
+        return ""
+    source = linecache.getline(str(path), found).strip()
+    return f" at line {found}" + (f" (`{source}`)" if source else "")
+
+
+def _check_names(path: Path, module: types.ModuleType) -> None:
+    missing = [n for n in _REQUIRED if not hasattr(module, n)]
+    uncallable = [
+        n
+        for n in (*_REQUIRED, "loss_fn")
+        if hasattr(module, n) and not callable(getattr(module, n))
+    ]
+    if not missing and not uncallable:
+        return
+    present = [n for n in (*_REQUIRED, *_OPTIONAL) if hasattr(module, n)]
+    problems = [f"missing {', '.join(missing)}"] if missing else []
+    problems += [f"not callable: {', '.join(uncallable)}"] if uncallable else []
+    public = [n for n in vars(module) if not n.startswith("_")]
+    hints = [
+        f"{n} (did you mean {' or '.join(close)}?)"
+        for n in missing
+        if (close := difflib.get_close_matches(n, public, n=2, cutoff=0.6))
+    ]
+    raise _error(
+        path,
+        f"breaks the model-file contract: {'; '.join(problems)} "
+        f"(present: {', '.join(present) or 'none of the expected names'})",
+        "the planner calls build_model() and sample_batch(batch_size), and loss_fn if defined",
+        "define build_model and sample_batch (and loss_fn, if used) as top-level functions"
+        + (f"; close names found: {', '.join(hints)}" if hints else ""),
+    )

@@ -1,0 +1,148 @@
+"""Plain-data records of a profiled model: what the planner knows about each block.
+
+These records are the contract between the torch side (capture, blocks, profile)
+and the pure side (cost, solve, search, plan). They hold numbers only, never
+tensors, and round-trip through plain dicts so a plan file can carry the profile
+it was solved on.
+
+Units: times in milliseconds, sizes in bytes, FLOPs as counts. Every per-block
+figure is for one micro-batch of ``ModelProfile.batch_size`` samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.plan.codec import Record
+
+__all__ = ["DTYPE_BYTES", "BlockCost", "ModelProfile", "TiedSet"]
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+"""Bytes per element of the dtype names a profile uses (``ModelProfile.dtype``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockCost(Record):
+    """The measured (or analytic) cost of one block.
+
+    Attributes:
+        index: position in the chain, 0 first.
+        name: the block's split point: FQN of the module call it starts with
+            ("" only for a first block that begins with root-level code).
+        modules: FQNs of the module calls the block holds, in execution order.
+        fwd_ms: forward time of one micro-batch.
+        bwd_ms: backward time of one micro-batch (input and weight gradients).
+        param_bytes: bytes of the parameters the block owns. A tied parameter is
+            owned by the first block that uses it; later users see it in
+            ``TiedSet``.
+        buffer_bytes: bytes of buffers (e.g. BatchNorm statistics) the block owns.
+        activation_bytes: bytes saved for backward (autograd's saved tensors,
+            parameters excluded) during one micro-batch's forward.
+        output_bytes: bytes of the tensors the block produces that later blocks
+            or the model's output read.
+        boundary_bytes: bytes of every tensor live across this block's split
+            point (skip connections and model inputs included): what a stage
+            starting here receives per micro-batch. 0 for block 0.
+        fwd_flops: forward FLOPs (``torch.utils.flop_counter``'s count).
+        bwd_flops: backward FLOPs.
+        fwd_bytes_moved: bytes read and written by the forward's operators (the
+            memory-traffic term of the analytic roofline).
+    """
+
+    index: int
+    name: str
+    modules: tuple[str, ...]
+    fwd_ms: float
+    bwd_ms: float
+    param_bytes: int
+    buffer_bytes: int = 0
+    activation_bytes: int
+    output_bytes: int
+    boundary_bytes: int
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    fwd_bytes_moved: float = 0.0
+
+    @property
+    def step_ms(self) -> float:
+        """Forward plus backward time of one micro-batch."""
+        return self.fwd_ms + self.bwd_ms
+
+
+@dataclass(frozen=True, kw_only=True)
+class TiedSet(Record):
+    """Parameters that are one tensor under several names (tied weights).
+
+    Attributes:
+        names: every FQN of the tensor, e.g. ("tok_emb.weight", "head.weight").
+        blocks: indices of the blocks that use the tensor, ascending.
+        nbytes: size of the tensor (one copy).
+    """
+
+    names: tuple[str, ...]
+    blocks: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile(Record):
+    """Every block's cost at one micro-batch size on one device.
+
+    Attributes:
+        fingerprint: the model's fingerprint (graph + parameter shapes).
+        source: "measured" (timed here) or "analytic" (FLOPs and bytes against a
+            catalogue device).
+        device: catalogue key of the device the times are for ("cpu", "h100", ...).
+        batch_size: samples per micro-batch the figures are for.
+        dtype: the dtype activations and parameters were costed in.
+        threads: torch intra-op threads while measuring (0 for analytic).
+        capture: how the graph was captured ("export" or "symbolic_trace").
+        blocks: the chain, in execution order.
+        tied: tied-parameter sets.
+        input_bytes: bytes of one micro-batch of model inputs.
+        loss_fwd_ms / loss_bwd_ms: the loss function's cost on the last stage.
+        whole_fwd_ms / whole_bwd_ms: a measured forward and backward of the whole
+            model, unsplit (None for analytic profiles): the check that splitting
+            did not distort the cost.
+        repeats: timed repeats per figure (median taken).
+    """
+
+    fingerprint: str
+    source: str
+    device: str
+    batch_size: int
+    dtype: str
+    threads: int
+    capture: str
+    blocks: tuple[BlockCost, ...]
+    tied: tuple[TiedSet, ...] = ()
+    input_bytes: int = 0
+    loss_fwd_ms: float = 0.0
+    loss_bwd_ms: float = 0.0
+    whole_fwd_ms: float | None = None
+    whole_bwd_ms: float | None = None
+    repeats: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def blocks_step_ms(self) -> float:
+        """Σ over blocks of forward + backward, plus the loss."""
+        return sum(b.step_ms for b in self.blocks) + self.loss_fwd_ms + self.loss_bwd_ms
+
+    @property
+    def whole_step_ms(self) -> float | None:
+        if self.whole_fwd_ms is None or self.whole_bwd_ms is None:
+            return None
+        return self.whole_fwd_ms + self.whole_bwd_ms
+
+    @property
+    def split_distortion(self) -> float | None:
+        """(Σ blocks − whole) / whole; None when no whole-model measurement exists."""
+        whole = self.whole_step_ms
+        if not whole:
+            return None
+        return (self.blocks_step_ms - whole) / whole
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(b.param_bytes for b in self.blocks)

@@ -1,0 +1,282 @@
+"""From a model (or a model file) and a cluster to a Plan: sizes, profiles, search, assembly.
+
+This is the one function behind ``planner plan`` and ``planner.plan_model``:
+the CLI parses its flags into the same ``PlanOptions``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner import cache as _cache
+from planner.cost.model import Prediction
+from planner.devices.build import from_gpus
+from planner.devices.cluster import Cluster
+from planner.options import PlanOptions, SearchOptions, Training
+from planner.plan.batch import batch_size_of, normalize_inputs, slice_batch
+from planner.plan.fingerprint import parameter_shapes
+from planner.plan.records import ModelProfile
+from planner.plan.schema import (
+    LayoutPlan,
+    ModelInfo,
+    Plan,
+    Predicted,
+    SolverRecord,
+    StageMemory,
+    StagePlan,
+    TrainingPlan,
+)
+from planner.profile.sizes import Sampler, SizedProfiles
+from planner.search.configurations import configurations
+from planner.search.loop import SearchResult, search
+from planner.solve.partition import check_solver
+
+__all__ = ["plan_model", "predicted", "stage_plans"]
+
+log = logging.getLogger(__name__)
+
+
+def plan_model(
+    model: nn.Module,
+    sample: Sampler | tuple[Any, Any],
+    *,
+    cluster: Cluster | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    options: PlanOptions | None = None,
+    global_batch: int | None = None,
+    model_file: str | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> Plan:
+    """Plan ``model`` on ``cluster``.
+
+    Example::
+
+        plan = plan_model(model, (inputs, targets), cluster=from_gpus(8, "h100"),
+                          loss_fn=F.cross_entropy)
+        print(plan.pp, plan.dp, plan.split_points, plan.predicted.step_ms)
+
+    Args:
+        model: the model (left unchanged).
+        sample: a function ``batch_size -> (args, kwargs, targets)``, or one
+            global batch ``(inputs, targets)`` (inputs: a tensor, tuple or
+            dict), sliced into micro-batches along dimension 0.
+        cluster: the devices (default: 8 local devices, see ``from_gpus``).
+        loss_fn: the loss (its cost lands on the last stage).
+        options: see ``PlanOptions``; default: the sample's batch, Adam, fp32.
+        global_batch: the batch per step when ``options`` is not given
+            (default: the sample's batch size).
+        model_file: recorded in the plan, for people.
+        progress: progress callback.
+
+    Raises:
+        ValueError: no configuration is possible or fits (the message says why,
+            with the numbers, and what to change); the model cannot be captured.
+        SolverUnavailable: the ILP solver is not installed (before any profiling).
+
+    Profiles measured on the way enter the on-disk cache only when planning
+    succeeds (see :func:`planner.cache.deferred`).
+    """
+    cluster = cluster or from_gpus(8)
+    sampler, sample_batch = _sampler(sample)
+    if options is None:
+        batch = global_batch or sample_batch
+        if batch is None:
+            raise ValueError("give global_batch (or options) when sample is a function")
+        options = PlanOptions(training=Training(global_batch=batch))
+    training = options.training
+    check_solver(options.search.solver)  # fail before minutes of profiling, not after
+    with _cache.deferred():
+        sizes = _micro_batch_sizes(cluster, training, options.search)
+        profiles = SizedProfiles(
+            model, sampler, loss_fn, cluster, training, options.profile, sizes, progress
+        )
+        base = profiles.first()
+        names = [b.name for b in base.blocks]
+        try:
+            result = search(
+                profiles.get,
+                cluster,
+                training,
+                options.search,
+                n_blocks=len(base.blocks),
+                block_names=names,
+            )
+        except ValueError as exc:
+            _explain_excluded(exc, base)
+            raise
+        return _assemble(result, base, cluster, options, profiles, model, model_file)
+
+
+def _explain_excluded(exc: ValueError, base: ModelProfile) -> None:
+    """Add the split points that were excluded (and why) to a search failure's message."""
+    prefix = "excluded split point "
+    excluded = [n.removeprefix(prefix) for n in base.notes if n.startswith(prefix)]
+    if not excluded:
+        return
+    shown = "\n".join(f"    {e}" for e in excluded[:8])
+    more = f"\n    (+{len(excluded) - 8} more)" if len(excluded) > 8 else ""
+    exc.args = (
+        f"{exc}\n"
+        f"  {len(excluded)} candidate split point(s) were excluded, so the model has only "
+        f"{len(base.blocks)} block(s) that can start a stage:\n{shown}{more}\n"
+        "  A stage can only receive tensors: make the module before such a point return "
+        "tensors (index a tuple or list before the next module call, pass numbers as "
+        "tensors or configuration), so that the point becomes legal.",
+        *exc.args[1:],
+    )
+
+
+def _sampler(sample: Sampler | tuple[Any, Any]) -> tuple[Sampler, int | None]:
+    """A sampler of micro-batches, and the sample's batch size (None for a sampler)."""
+    if callable(sample):
+        return sample, None
+    inputs, targets = sample
+    args, kwargs = normalize_inputs(inputs)
+    full = batch_size_of(args, kwargs)
+
+    def take(b: int) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        if b > full:
+            raise ValueError(f"micro-batch {b} is larger than the sample's batch {full}")
+        a, k, y = slice_batch((args, kwargs, targets), 0, b, full)
+        return a, k, y
+
+    return take, full
+
+
+def _micro_batch_sizes(cluster: Cluster, training: Training, opts: SearchOptions) -> list[int]:
+    """Every micro-batch size the search may need (raises when no configuration is possible)."""
+    configs = configurations(cluster, training, opts)
+    return sorted({training.global_batch // (dp * m) for _, dp, m, _ in configs})
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def _assemble(
+    result: SearchResult,
+    base: ModelProfile,
+    cluster: Cluster,
+    options: PlanOptions,
+    profiles: SizedProfiles,
+    model: nn.Module,
+    model_file: str | None,
+) -> Plan:
+    lay, sol, pred = result.layout, result.solution, result.prediction
+    training = options.training
+    warnings = list(result.warnings)
+    bn = _batchnorm_warning(
+        model, lay.micro_batches, result.cost.micro_batch_size, training, lay.dp
+    )
+    if bn:
+        warnings.append(bn)
+    return Plan(
+        model=ModelInfo(
+            fingerprint=base.fingerprint,
+            file=model_file or "",
+            parameters=int(sum(p.numel() for p in model.parameters())),
+            capture=base.capture,
+            blocks=len(base.blocks),
+            parameter_shapes=parameter_shapes(model),
+        ),
+        cluster=cluster.to_record(),
+        training=TrainingPlan(
+            global_batch=training.global_batch,
+            micro_batches=lay.micro_batches,
+            micro_batch_size=result.cost.micro_batch_size,
+            optimizer=training.optimizer,
+            precision=training.precision,
+            schedule=lay.schedule,
+        ),
+        layout=LayoutPlan(pp=lay.pp, dp=lay.dp),
+        stages=stage_plans(pred, result.cost.profile, lay.ranks),
+        predicted=predicted(pred),
+        step=pred.inputs,
+        solver=SolverRecord(
+            name=sol.solver,
+            status=sol.status,
+            gap=sol.gap,
+            bound_ms=sol.bound,
+            solve_s=sol.solve_s,
+            time_limit_s=options.search.time_limit_s,
+            n_segments=sol.n_segments,
+            note=result.refined,
+        ),
+        candidates=tuple(result.candidates),
+        profiles=tuple(profiles.all_anchors()),
+        warnings=tuple(warnings),
+    )
+
+
+def predicted(pred: Prediction) -> Predicted:
+    """The plan's record of a predicted step."""
+    return Predicted(
+        step_ms=pred.step_ms,
+        closed_form_ms=pred.closed_form_ms,
+        samples_per_s=pred.samples_per_s,
+        bubble_fraction=pred.bubble_fraction,
+    )
+
+
+def stage_plans(
+    pred: Prediction, prof: ModelProfile, ranks: Sequence[Sequence[int]]
+) -> tuple[StagePlan, ...]:
+    """The plan's stages for a predicted placement: split points, modules, ranks, figures.
+
+    Args:
+        pred: the prediction (``CostModel.predict``).
+        prof: the profile whose blocks the placement cuts.
+        ranks: ``ranks[s]``, the ranks running stage s (one per replica).
+    """
+    stages = []
+    for sp in pred.stages:
+        i, j = sp.blocks
+        modules = [m for blk in prof.blocks[i:j] for m in blk.modules]
+        mem = sp.memory
+        stages.append(
+            StagePlan(
+                index=sp.index,
+                split_point=prof.blocks[i].name if sp.index else "",
+                blocks=(i, j),
+                modules=tuple(modules),
+                ranks=tuple(ranks[sp.index]),
+                device=sp.device,
+                recompute=sp.recompute,
+                fwd_ms=sp.fwd_ms,
+                bwd_ms=sp.bwd_ms,
+                send_ms=sp.send_fwd_ms + sp.send_bwd_ms,
+                sync_ms=sp.sync_ms,
+                memory=StageMemory(
+                    params=mem.params,
+                    grads=mem.grads,
+                    optimizer=mem.optimizer,
+                    buffers=mem.buffers,
+                    comm_buffers=mem.comm_buffers,
+                    tied_copies=mem.tied_copies,
+                    activations=mem.activations,
+                    total=mem.total,
+                    capacity=sp.capacity,
+                ),
+            )
+        )
+    return tuple(stages)
+
+
+def _batchnorm_warning(
+    model: nn.Module, micro_batches: int, micro_batch_size: int, training: Training, dp: int
+) -> str | None:
+    """With micro-batches, BatchNorm's statistics cover one micro-batch, not the replica's."""
+    bns = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not bns or micro_batches <= 1:
+        return None
+    return (
+        f"the model has BatchNorm ({', '.join(bns[:3])}{', ...' if len(bns) > 3 else ''}): "
+        f"with {micro_batches} micro-batches its statistics are computed over "
+        f"{micro_batch_size} samples at a time, not the replica's "
+        f"{training.global_batch // dp}; pin --micro-batches 1 to keep them, or use a "
+        "normalisation without batch statistics (LayerNorm, GroupNorm)"
+    )

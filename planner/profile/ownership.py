@@ -1,0 +1,86 @@
+"""What each block owns: its parameters and buffers, and the bytes its backward keeps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from planner.capture.blocks import BlockChain
+from planner.profile.runner import BlockRunner, attr
+
+__all__ = ["Owners", "param_nbytes", "saved_bytes"]
+
+
+class Owners:
+    """Which block owns each parameter/buffer (the first block that uses it)."""
+
+    def __init__(self, chain: BlockChain) -> None:
+        self.chain = chain
+        self.first: dict[str, int] = {}
+        self.target_of: dict[str, str] = {}
+        for block in chain.blocks:
+            for target in block.params:
+                canon = chain.param_owner.get(target, target)
+                self.first.setdefault(canon, block.index)
+                self.target_of.setdefault(canon, target)
+
+    def _bytes(self, k: int, gm: torch.fx.GraphModule, params: bool) -> int:
+        total = 0
+        for canon, first in self.first.items():
+            if first != k:
+                continue
+            t = attr(gm, self.target_of[canon])
+            if isinstance(t, torch.Tensor) and isinstance(t, nn.Parameter) == params:
+                total += t.numel() * t.element_size()
+        return total
+
+    def param_bytes(self, k: int, gm: torch.fx.GraphModule) -> int:
+        return self._bytes(k, gm, params=True)
+
+    def buffer_bytes(self, k: int, gm: torch.fx.GraphModule) -> int:
+        return self._bytes(k, gm, params=False)
+
+
+def param_nbytes(name: str, model: nn.Module) -> int:
+    """Bytes of the parameter or buffer called ``name`` (0 when there is none)."""
+    named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    t = named.get(name)
+    return int(t.numel() * t.element_size()) if t is not None else 0
+
+
+def saved_bytes(
+    chain: BlockChain, runners: Sequence[BlockRunner], values: dict[torch.fx.Node, Any]
+) -> list[int]:
+    """Per block, the bytes the backward keeps that the block created.
+
+    A block's own saved storages, plus its outputs that later blocks save (and
+    it did not): see [Note: saved bytes, each tensor once] in planner.profile.runner.
+    Model inputs saved by a block are charged to no block: they are the batch,
+    which the caller holds anyway.
+    """
+    producer: dict[torch.fx.Node, int] = {}
+    for block in chain.blocks:
+        for node in block.nodes:
+            producer[node] = block.index
+    out = [r.saved_bytes for r in runners]
+    charged: set[int] = set()
+    for block, runner in zip(chain.blocks, runners, strict=True):
+        for k in sorted(runner.saved_inputs):
+            node = block.inputs[k]
+            value = values.get(node)
+            p = producer.get(node)
+            if p is None or not isinstance(value, torch.Tensor):
+                continue
+            src = chain.blocks[p]
+            if node in src.outputs and src.outputs.index(node) in runners[p].saved_outputs:
+                continue  # the producer saved it itself: already in its figure
+            storage = value.untyped_storage()
+            if storage.data_ptr() not in charged:
+                charged.add(storage.data_ptr())
+                out[p] += storage.nbytes()
+    return out

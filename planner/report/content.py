@@ -1,0 +1,195 @@
+"""What every report shows: the plan's step (replayed), the summary, the stage and candidate rows.
+
+The timeline is the plan's own: :func:`timeline` replays the simulation inputs
+the plan keeps (``Plan.step``), so the terminal report, the HTML page and the
+trace draw exactly the step the plan predicts. A plan of format 1 or 2 keeps
+none; its timeline is re-simulated from the per-stage figures, and the summary
+says so.
+"""
+
+from __future__ import annotations
+
+import math
+
+from planner.cost.simulate import replay, simulate
+from planner.devices.cluster_file import from_record
+from planner.plan.schema import Plan
+from planner.plan.timeline import Timeline
+from planner.plan.units import GIB, MIB
+from planner.report.format import (
+    fmt_bytes,
+    fmt_count,
+    fmt_modules,
+    fmt_ms,
+    fmt_num,
+    fmt_pct,
+    fmt_ranks,
+    level,
+)
+
+__all__ = [
+    "CAND_COLS",
+    "MEM_COL",
+    "STAGE_COLS",
+    "Row",
+    "candidate_rows",
+    "over_capacity",
+    "stage_note",
+    "stage_rows",
+    "summary",
+    "timeline",
+]
+
+Row = tuple[list[str], str]
+"""A table row: its cells, and a level: "over" / "near" / "chosen" / ""."""
+
+
+def timeline(plan: Plan) -> Timeline:
+    """The plan's predicted step: its simulation inputs replayed.
+
+    Example::
+
+        tl = timeline(load_plan("plan.yaml"))
+        tl.step_ms, tl.bubble_fraction       # the plan's predicted step
+
+    A format 1 or 2 plan records no simulation inputs: its step is
+    re-simulated from the per-stage figures (a stage's ``send_ms`` holds both
+    directions on the link to the next stage; each direction gets half).
+    """
+    if plan.step is not None:
+        return replay(plan.step)
+    st = plan.stages
+    half = [s.send_ms / 2 for s in st[:-1]]
+    return simulate(
+        fwd=[s.fwd_ms for s in st],
+        bwd=[s.bwd_ms for s in st],
+        micro_batches=plan.micro_batches,
+        schedule=plan.schedule,
+        link_fwd=half,
+        link_bwd=half,
+        sync=[s.sync_ms for s in st],
+    )
+
+
+def _cluster(plan: Plan) -> str:
+    try:
+        return from_record(plan.cluster).describe()
+    except ValueError:  # an edited or foreign cluster record
+        return plan.cluster.name or "(unknown cluster)"
+
+
+def _solver(plan: Plan) -> str:
+    sv = plan.solver
+    # No wall-clock time: the report shows what the plan file holds, and the file
+    # holds nothing that differs between runs ([Note: reproducible plan files]).
+    gap = "unknown" if sv.gap is None else fmt_pct(sv.gap, 1)
+    if sv.status == "optimal":
+        text = "proven optimal"
+    elif sv.status == "time_limit":
+        limit = f" in {sv.time_limit_s:g} s" if sv.time_limit_s is not None else ""
+        text = f"best found{limit}, gap {gap}"
+    elif sv.status == "heuristic":
+        text = f"the heuristic's placement (the solver found none better), gap {gap}"
+    else:
+        text = sv.status
+    if sv.bound_ms is not None and sv.status != "optimal":
+        text += f", lower bound {fmt_ms(sv.bound_ms)} ms"
+    text = f"{sv.name}: {text}" + (f" ({sv.n_segments} segments)" if sv.n_segments else "")
+    return text + (f"; {sv.note}" if sv.note else "")
+
+
+def summary(plan: Plan, tl: Timeline) -> list[tuple[str, str]]:
+    """(label, text) lines at the top of every report."""
+    model, pred = plan.model, plan.predicted
+    step = pred.step_ms
+    bubble = fmt_pct(pred.bubble_fraction)
+    fp = model.fingerprint[:12] if model.fingerprint else f"none (format {plan.version})"
+    name = f"{model.file or '(in memory)'}, fingerprint {fp}"
+    batch = f"{plan.micro_batches} micro-batches × {plan.micro_batch_size} samples × dp {plan.dp}"
+    rows = [
+        ("model", f"{name}, {fmt_count(model.parameters)} parameters"),
+        ("cluster", _cluster(plan)),
+        ("layout", f"pp {plan.pp} × dp {plan.dp} = {plan.world_size} devices"),
+        ("batch", f"{batch} = global batch {plan.global_batch}"),
+        ("schedule", plan.schedule),
+        ("training", f"{plan.optimizer}, {plan.precision}"),
+        (
+            "step",
+            f"{fmt_ms(step)} ms predicted, {pred.samples_per_s:,.0f} samples/s, bubble {bubble}",
+        ),
+    ]
+    if not math.isclose(pred.closed_form_ms, step, rel_tol=1e-4):
+        rows.append(
+            ("closed form", f"{fmt_ms(pred.closed_form_ms)} ms vs simulated {fmt_ms(step)} ms")
+        )
+    if plan.step is None:
+        rows.append(
+            (
+                "re-simulated",
+                f"{fmt_ms(tl.step_ms)} ms from the stage figures (the plan keeps no simulation "
+                "inputs, as format 1 and 2 plans did not; re-plan for the exact timeline)",
+            )
+        )
+    elif not math.isclose(tl.step_ms, step, rel_tol=1e-9):
+        rows.append(
+            ("replayed", f"{fmt_ms(tl.step_ms)} ms from the plan's simulation inputs (edited?)")
+        )
+    rows.append(("solver", _solver(plan)))
+    return rows
+
+
+# Column names; ">" marks a right-aligned (numeric) column.
+STAGE_COLS = ["stage>", "split point", "modules", "ranks", "device"]
+STAGE_COLS += ["fwd ms>", "bwd ms>", "send ms>", "sync ms>"]
+STAGE_COLS += ["p+g+opt>", "activations>", "other>", "total / capacity>", "R"]
+MEM_COL = STAGE_COLS.index("total / capacity>")
+CAND_COLS = ["pp>", "dp>", "m>", "schedule", "step ms>", "status", "reason"]
+
+
+def stage_note(unit: str) -> str:
+    """The stage table's caption (``unit``: of its memory columns)."""
+    return (
+        f"memory per device in {unit}; p+g+opt: parameters, gradients, optimizer state; "
+        "other: buffers, comm buffers, tied copies; R: recomputes activations in backward"
+    )
+
+
+def stage_rows(plan: Plan) -> tuple[list[Row], str]:
+    """The stage table's rows, and the unit of its memory columns."""
+    mem = [st.memory for st in plan.stages]
+    big = max(max(m.total, m.capacity if math.isfinite(m.capacity) else 0) for m in mem)
+    unit, scale = ("GiB", GIB) if big >= GIB else ("MiB", MIB)
+    rows = []
+    for st, m in zip(plan.stages, mem, strict=True):
+        where = [st.split_point if st.index else "(input)", fmt_modules(st.modules)]
+        times = [fmt_ms(x) for x in (st.fwd_ms, st.bwd_ms, st.send_ms, st.sync_ms)]
+        memory = [fmt_num(x / scale) for x in (m.state, m.activations, m.other)]
+        memory.append(
+            f"{fmt_num(m.total / scale)} / {fmt_num(m.capacity / scale)} ({fmt_pct(m.share)})"
+        )
+        cells = [str(st.index), *where, fmt_ranks(st.ranks), st.device, *times, *memory]
+        rows.append(([*cells, "R" if st.recompute else ""], level(m.share)))
+    return rows, unit
+
+
+def candidate_rows(plan: Plan) -> list[Row]:
+    """The candidate table's rows, the chosen one marked."""
+    rows = []
+    for c in plan.candidates:
+        step = "—" if c.step_ms is None else fmt_ms(c.step_ms)
+        cells = [str(c.pp), str(c.dp), str(c.micro_batches), c.schedule, step, c.status, c.reason]
+        rows.append((cells, "chosen" if c.status == "chosen" else ""))
+    return rows
+
+
+def over_capacity(plan: Plan) -> list[str]:
+    """One line per stage that does not fit its device."""
+    out = []
+    for st in plan.stages:
+        m = st.memory
+        if m.share > 1:
+            out.append(
+                f"stage {st.index} needs {fmt_bytes(m.total)} per device but its {st.device} has "
+                f"{fmt_bytes(m.capacity)} ({fmt_pct(m.share)}): it will not fit"
+            )
+    return out

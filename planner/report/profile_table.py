@@ -1,0 +1,95 @@
+"""Terminal rendering of a ``ModelProfile``: the per-block table, tied sets and the check line."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.plan.records import ModelProfile
+
+__all__ = ["CHECK_TOLERANCE", "check_line", "print_profile"]
+
+CHECK_TOLERANCE = 0.10
+"""The largest |Σ blocks − whole| / whole we accept before warning."""
+
+_MB = 1e6
+
+
+def check_line(prof: ModelProfile) -> str:
+    """One line comparing Σ blocks (+ loss) with the whole unsplit model."""
+    whole = prof.whole_step_ms
+    total = prof.blocks_step_ms
+    if whole is None:
+        return (
+            f"check: Σ blocks fwd+bwd + loss = {total:.2f} ms "
+            f"(analytic for {prof.device}; no whole-model measurement)"
+        )
+    whole_with_loss = whole + prof.loss_fwd_ms + prof.loss_bwd_ms
+    err = (total - whole_with_loss) / whole_with_loss if whole_with_loss else 0.0
+    verdict = "within" if abs(err) <= CHECK_TOLERANCE else "OUTSIDE"
+    return (
+        f"check: Σ blocks fwd+bwd + loss = {total:.2f} ms vs whole model "
+        f"{whole_with_loss:.2f} ms: {err:+.1%} ({verdict} ±{CHECK_TOLERANCE:.0%})"
+    )
+
+
+def print_profile(prof: ModelProfile, *, title: str = "", console: Console | None = None) -> None:
+    """Print the per-block table, the tied-parameter sets, notes and the check line."""
+    console = console or Console()
+    table = Table(
+        title=title or None,
+        caption=(
+            f"{prof.source} on {prof.device}, micro-batch {prof.batch_size}, {prof.dtype}, "
+            + (f"{prof.threads} threads, median of {prof.repeats}" if prof.threads else "roofline")
+            + f", captured with {prof.capture}"
+        ),
+    )
+    for col, justify in (
+        ("#", "right"),
+        ("block (split point)", "left"),
+        ("fwd ms", "right"),
+        ("bwd ms", "right"),
+        ("params MB", "right"),
+        ("activations MB", "right"),
+        ("boundary MB", "right"),
+        ("GFLOP fwd", "right"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for b in prof.blocks:
+        table.add_row(
+            str(b.index),
+            b.name or "<input>",
+            f"{b.fwd_ms:.3f}",
+            f"{b.bwd_ms:.3f}",
+            f"{b.param_bytes / _MB:.2f}",
+            f"{b.activation_bytes / _MB:.2f}",
+            f"{b.boundary_bytes / _MB:.3f}",
+            f"{b.fwd_flops / 1e9:.3f}",
+        )
+    if prof.loss_fwd_ms or prof.loss_bwd_ms:
+        table.add_row(
+            "", "(loss)", f"{prof.loss_fwd_ms:.3f}", f"{prof.loss_bwd_ms:.3f}", "", "", "", ""
+        )
+    table.add_section()
+    table.add_row(
+        "",
+        f"total ({len(prof.blocks)} blocks)",
+        f"{sum(b.fwd_ms for b in prof.blocks) + prof.loss_fwd_ms:.2f}",
+        f"{sum(b.bwd_ms for b in prof.blocks) + prof.loss_bwd_ms:.2f}",
+        f"{prof.param_bytes / _MB:.2f}",
+        f"{sum(b.activation_bytes for b in prof.blocks) / _MB:.2f}",
+        "",
+        f"{sum(b.fwd_flops for b in prof.blocks) / 1e9:.2f}",
+    )
+    console.print(table)
+    if prof.tied:
+        for t in prof.tied:
+            console.print(
+                f"tied: {' = '.join(t.names)} ({t.nbytes / _MB:.2f} MB), "
+                f"used by blocks {', '.join(map(str, t.blocks))}"
+            )
+    else:
+        console.print("tied: none")
+    for note in prof.notes:
+        console.print(f"note: {note}", markup=False)
+    console.print(check_line(prof), markup=False)

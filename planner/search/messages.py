@@ -1,0 +1,145 @@
+"""What the search tells the user: warnings on the chosen plan, and why nothing was possible
+or nothing fit (with the numbers and the fixes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner.cost.basis import Layout
+from planner.cost.model import CostModel, Prediction
+from planner.devices.cluster import Cluster
+from planner.options import SearchOptions, Training
+from planner.plan.schema import Candidate
+from planner.solve.problem import PartitionSolution, format_bytes
+
+__all__ = ["nothing_fits", "nothing_possible", "plan_warnings"]
+
+
+def plan_warnings(
+    layout: Layout, sol: PartitionSolution, prediction: Prediction, options: SearchOptions
+) -> list[str]:
+    """The chosen plan's performance hazards: a large bubble, no proof, a stage near full."""
+    out = []
+    lay = layout
+    if lay.pp > 1 and lay.micro_batches < lay.pp:
+        m = lay.micro_batches
+        out.append(
+            f"{m} micro-batch{'es' if m != 1 else ''} for {lay.pp} stages: the pipeline bubble "
+            f"is {prediction.bubble_fraction:.0%} of the step (stages idle while the "
+            f"pipeline fills and drains); at least {lay.pp} micro-batches "
+            f"(--micro-batches {lay.pp}, with a batch divisible by dp × {lay.pp} = "
+            f"{lay.dp * lay.pp}) would shrink it"
+        )
+    gap = f"{sol.gap:.2%}" if sol.gap is not None else "unknown"
+    if sol.status == "time_limit":
+        out.append(
+            f"the solver stopped at its time limit ({options.time_limit_s} s) before proving "
+            f"the placement optimal (gap {gap}: it is at most that much slower than the best); "
+            "raise --time-limit for a proof"
+        )
+    elif sol.status != "optimal":
+        out.append(
+            f"the solver ended without proving the placement optimal ({sol.solver_status}); "
+            f"this is the heuristic's placement, gap {gap}; try --solver "
+            f"{'cbc' if sol.solver == 'highs' else 'highs'}"
+        )
+    for st in prediction.stages:
+        if st.memory.total > 0.9 * st.capacity:
+            out.append(
+                f"stage {st.index} uses {st.memory.total / 2**30:.2f} GiB of "
+                f"{st.capacity / 2**30:.2f} GiB usable: little room for fragmentation"
+            )
+    return out
+
+
+def nothing_possible(
+    training: Training, cluster: Cluster, options: SearchOptions, rejected: list[tuple[str, str]]
+) -> str:
+    """What was rejected and why, then the fixes for those reasons."""
+    lines = "\n".join(f"  {why}" for why in dict.fromkeys(why for why, _ in rejected))
+    fixes = list(dict.fromkeys(fix for _, fix in rejected))
+    fix = "; or ".join(fixes) or "unpin --pp/--dp/--micro-batches/--schedule"
+    return (
+        f"no configuration is possible for batch {training.global_batch} on "
+        f"{cluster.n_devices} devices:\n{lines}\n"
+        f"Fix: {fix}."
+    )
+
+
+def nothing_fits(
+    tried: Sequence[Candidate],
+    oom_costs: list[CostModel],
+    cluster: Cluster,
+    training: Training,
+    options: SearchOptions,
+) -> str:
+    """Why every candidate failed: memory per stage against capacity, or the time limit."""
+    failed = [c for c in tried if c.status in ("out_of_memory", "timeout")]
+    oom = [c for c in failed if c.status == "out_of_memory"]
+    lines = [
+        f"  pp {c.pp} × dp {c.dp}, {c.micro_batches} micro-batch"
+        f"{'es' if c.micro_batches != 1 else ''} ({c.schedule}), {c.reason}"
+        for c in failed[: options.keep]
+    ]
+    if len(failed) > options.keep:
+        lines.append(f"  (+{len(failed) - options.keep} more)")
+    if not oom:
+        shown = ", ".join(
+            f"pp {c.pp} × dp {c.dp} × m {c.micro_batches} {c.schedule}" for c in failed[:4]
+        )
+        more = f" and {len(failed) - 4} more" if len(failed) > 4 else ""
+        return (
+            f"no placement found in time: for every candidate ({len(failed)}: {shown}{more}) "
+            f"the solver's time limit ({options.time_limit_s} s per solve) ran out before even "
+            "its heuristic found a placement.\n"
+            "Fix: raise --time-limit (default 60 s)."
+        )
+    head = (
+        f"no configuration fits in memory: {len(oom)} of {len(failed)} candidate(s) ran out "
+        f"of memory{', the others out of time' if len(oom) < len(failed) else ''}.\n"
+    )
+    return (
+        head
+        + "\n".join(lines)
+        + "\n"
+        + _memory_summary(oom_costs, cluster, training)
+        + "Fix: more devices or devices with more memory (--gpus, a cluster file), fewer "
+        "samples per micro-batch (more --micro-batches or a smaller --batch-size), "
+        "--precision bf16-mixed, or --optimizer sgd (less state per parameter). "
+        "Activation recompute was already tried for every stage."
+    )
+
+
+def _memory_summary(costs: list[CostModel], cluster: Cluster, training: Training) -> str:
+    """The largest block and the whole model's state, against the devices' memory."""
+    if not costs:
+        return ""
+    # The deepest pipeline with the smallest micro-batches: the most favourable memory.
+    cost = max(costs, key=lambda c: (c.layout.pp, -c.micro_batch_size))
+    s, n = cost.layout.pp - 1, cost.n_blocks
+    names = [b.name for b in cost.profile.blocks]
+
+    def need(i: int, j: int) -> float:
+        return min(cost.memory(s, i, j).total, cost.memory(s, i, j, True).total)
+
+    k = max(range(n), key=lambda i: need(i, i + 1))
+    big = min((cost.memory(s, k, k + 1), cost.memory(s, k, k + 1, True)), key=lambda m: m.total)
+    whole = cost.memory(s, 0, n)
+    state = whole.params + whole.grads + whole.optimizer
+    usable = 1 - training.memory_headroom
+    per_device = sorted({d.device.memory_bytes * usable for d in cluster.devices})
+    device_text = " to ".join(
+        dict.fromkeys(format_bytes(x) for x in (per_device[0], per_device[-1]))
+    )
+    total = sum(d.device.memory_bytes for d in cluster.devices) * usable
+    return (
+        f"The largest block is block {k} ({names[k]!r}): alone on a stage it needs "
+        f"{format_bytes(need(k, k + 1))} (parameters, gradients and optimizer state "
+        f"{format_bytes(big.params + big.grads + big.optimizer)}, activations "
+        f"{format_bytes(big.activations)} at {cost.micro_batch_size} sample(s) per micro-batch) "
+        f"against {device_text} usable per device "
+        f"({training.memory_headroom:.0%} kept free).\n"
+        f"All {n} blocks hold {format_bytes(state)} of parameters, gradients and optimizer "
+        f"state ({training.optimizer}, {training.precision}); the {cluster.n_devices} devices "
+        f"hold {format_bytes(total)} usable in all.\n"
+    )

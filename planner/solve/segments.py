@@ -1,0 +1,156 @@
+"""Costs of segments and placements: memoised views of a problem's callables, evaluate."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+from planner.solve.problem import PartitionProblem
+
+__all__ = ["SegmentCosts", "evaluate", "step_time"]
+
+
+def _checked(value: float, what: str, *, allow_inf: bool = False) -> float:
+    v = float(value)
+    if not v >= 0 or (v == math.inf and not allow_inf):
+        raise ValueError(f"{what} returned {value!r}: costs must be finite numbers ≥ 0")
+    return v
+
+
+class SegmentCosts:
+    """Memoised views of a problem's callables, indexed by position (pos[a]).
+
+    Stage s may start at position index a ∈ [s, K − S + s] (``hi``): the s
+    stages before it need s positions, the S − 1 − s after it need theirs.
+    Work and sync are cached per stage class, memory per stage.
+    """
+
+    def __init__(self, p: PartitionProblem) -> None:
+        n, S = p.n_blocks, p.n_stages
+        allowed = range(1, n) if p.allowed_starts is None else p.allowed_starts
+        legal = sorted(set(allowed) - {0})
+        self.p, self.n, self.S, self.m = p, n, S, p.micro_batches
+        self.pos = [0, *legal, n]
+        self.K = len(self.pos) - 1
+        labels = p.stage_class if p.stage_class is not None else range(S)
+        dense: dict[int, int] = {}
+        self.cls = [dense.setdefault(c, len(dense)) for c in labels]
+        self.cap = [float(c) for c in p.capacity]
+        self._w: dict[int, float] = {}
+        self._r: dict[int, float] = {}
+        self._mem: dict[int, float] = {}
+        self._cut: dict[int, float] = {}
+
+    def hi(self, s: int) -> int:
+        return self.K - self.S + s
+
+    def _key(self, c: int, a: int, b: int) -> int:
+        return (c * (self.K + 1) + a) * (self.K + 1) + b
+
+    def w(self, s: int, a: int, b: int) -> float:
+        key = self._key(self.cls[s], a, b)
+        v = self._w.get(key)
+        if v is None:
+            i, j = self.pos[a], self.pos[b]
+            v = self._w[key] = _checked(self.p.seg_work(s, i, j), f"seg_work({s}, {i}, {j})")
+        return v
+
+    def r(self, s: int, a: int, b: int) -> float:
+        key = self._key(self.cls[s], a, b)
+        v = self._r.get(key)
+        if v is None:
+            i, j = self.pos[a], self.pos[b]
+            v = self._r[key] = _checked(self.p.seg_sync(s, i, j), f"seg_sync({s}, {i}, {j})")
+        return v
+
+    def mem(self, s: int, a: int, b: int) -> float:
+        key = self._key(s, a, b)
+        v = self._mem.get(key)
+        if v is None:
+            i, j = self.pos[a], self.pos[b]
+            fn = self.p.seg_memory
+            v = self._mem[key] = _checked(fn(s, i, j), f"seg_memory({s}, {i}, {j})", allow_inf=True)
+        return v
+
+    def cut(self, s: int, b: int) -> float:
+        if s >= self.S - 1 or s < 0:
+            return 0.0
+        key = s * (self.K + 1) + b
+        v = self._cut.get(key)
+        if v is None:
+            j = self.pos[b]
+            v = self._cut[key] = _checked(self.p.cut_time(s, j), f"cut_time({s}, {j})")
+        return v
+
+    def fits(self, s: int, a: int, b: int, wcap: float) -> bool:
+        return self.w(s, a, b) <= wcap and self.mem(s, a, b) <= self.cap[s]
+
+    def ends(self, s: int, a: int, wcap: float) -> range:
+        """Ends b of stage s's segments from a with work ≤ wcap that fit its memory.
+
+        Work is walked end by end (every value is needed later anyway); memory,
+        asked per stage, is bisected. Both are monotone in b, so the ends form
+        a range.
+        """
+        if s == self.S - 1:
+            return range(self.K, self.K + 1) if self.fits(s, a, self.K, wcap) else range(0)
+        top = a
+        while top < self.hi(s + 1) and self.w(s, a, top + 1) <= wcap:
+            top += 1
+        lo, hi = a, top  # memory holds at lo (vacuously), find the last b ≤ top where it holds
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.mem(s, a, mid) <= self.cap[s]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return range(a + 1, lo + 1)
+
+    def indices(self, starts: Sequence[int]) -> list[int]:
+        """Position indices of a placement (with K appended); ValueError if malformed."""
+        where = {p: a for a, p in enumerate(self.pos[:-1])}
+        starts = list(starts)
+        if len(starts) != self.S or not starts or starts[0] != 0:
+            raise ValueError(f"starts must have {self.S} entries beginning with 0 (got {starts})")
+        if any(x >= y for x, y in itertools.pairwise(starts)):
+            raise ValueError(f"starts must increase strictly (got {starts})")
+        bad = [j for j in starts if j not in where]
+        if bad:
+            raise ValueError(f"starts {bad} are not allowed split points (or ≥ n_blocks)")
+        return [where[j] for j in starts] + [self.K]
+
+    def values(self, idx: Sequence[int]) -> tuple[list[float], list[float], list[float]]:
+        """Per-stage work, cuts (S − 1) and sync of a placement in index form."""
+        S = self.S
+        works = [self.w(s, idx[s], idx[s + 1]) for s in range(S)]
+        cuts = [self.cut(s, idx[s + 1]) for s in range(S - 1)]
+        syncs = [self.r(s, idx[s], idx[s + 1]) for s in range(S)]
+        return works, cuts, syncs
+
+    def objective(self, idx: Sequence[int]) -> float:
+        works, cuts, syncs = self.values(idx)
+        return step_time(self.m, works, cuts, syncs)
+
+    def starts(self, idx: Sequence[int]) -> tuple[int, ...]:
+        return tuple(self.pos[a] for a in idx[:-1])
+
+
+def step_time(
+    m: int, works: Sequence[float], cuts: Sequence[float], syncs: Sequence[float]
+) -> float:
+    return sum(works) + sum(cuts) + (m - 1) * max([*works, *cuts]) + max(syncs)
+
+
+def evaluate(problem: PartitionProblem, starts: Sequence[int]) -> float:
+    """The step time T of a placement (memory is not checked).
+
+    Example::
+
+        evaluate(problem, (0, 5, 11))   # stage 0: blocks 0..4, stage 1: 5..10, ...
+
+    Raises:
+        ValueError: starts malformed or not at allowed split points.
+    """
+    c = SegmentCosts(problem)
+    return c.objective(c.indices(starts))

@@ -1,0 +1,145 @@
+"""What a run measured beside what its plan predicted: the comparison table, the measured trace."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from planner.plan.files import atomic_write
+from planner.plan.schema import Plan
+from planner.plan.timeline import ChromeTrace
+from planner.plan.units import MIB
+from runtime.measure.recorder import Measurement
+
+__all__ = ["comparison_table", "trace_json", "write_trace"]
+
+
+def _err(measured: float, predicted: float) -> str:
+    if not (predicted > 0) or measured != measured:  # nan
+        return "—"
+    return f"{(measured / predicted - 1) * 100:+.0f}%"
+
+
+def _f(x: float, digits: int = 2) -> str:
+    return "—" if x != x else f"{x:.{digits}f}"
+
+
+def comparison_table(plan: Plan, result: Measurement) -> str:
+    """The plan's predictions beside the measured figures, per stage, with the error of each.
+
+    Error = measured / predicted − 1 (+25% : slower or larger than predicted).
+    Times are per micro-batch (fwd, bwd) and per step; memory is the peak in
+    MiB (see the module docstring for how it is measured on the CPU).
+    """
+    cols = [
+        ("stage", 5),
+        ("ranks", 6),
+        ("fwd ms", 7),
+        ("meas", 7),
+        ("err", 6),
+        ("bwd ms", 7),
+        ("meas", 7),
+        ("err", 6),
+        ("step ms", 8),
+        ("meas", 8),
+        ("err", 6),
+        ("mem MiB", 8),
+        ("meas", 8),
+        ("err", 6),
+    ]
+    warm = [s for s in result.steps if s not in set(result.counted)]
+    lines = [
+        f"predicted vs measured: {plan.schedule}, pp {plan.pp} × dp {plan.dp}, "
+        f"{plan.micro_batches} micro-batches × {plan.micro_batch_size} samples; "
+        f"medians over step(s) {_span(result.counted)}"
+        + (f" (step(s) {_span(warm)}: warm-up)" if warm else ""),
+        "  ".join(name.rjust(w) for name, w in cols),
+    ]
+    step_pred = plan.predicted.step_ms
+    # [Note: DDP's all-reduce runs inside the last backward] With dp > 1 the last
+    # micro-batch's backward also all-reduces the stage's gradients (DDP hooks in
+    # autograd). The backward column leaves it out when m > 1; with m = 1 it cannot,
+    # and compares with the predicted backward + gradient sync instead (marked *).
+    with_sync = plan.dp > 1 and plan.micro_batches == 1
+    skip = plan.micro_batches if plan.dp > 1 and plan.micro_batches > 1 else None
+    for st in plan.stages:
+        got = result.stage_figures(st.index, skip_last_backward=skip)
+        bwd_pred = st.bwd_ms + (st.sync_ms if with_sync else 0.0)
+        mem_pred = st.memory.total
+        cells = [
+            str(st.index),
+            ",".join(map(str, st.ranks)),
+            _f(st.fwd_ms),
+            _f(got["fwd_ms"]),
+            _err(got["fwd_ms"], st.fwd_ms),
+            _f(bwd_pred) + ("*" if with_sync else ""),
+            _f(got["bwd_ms"]),
+            _err(got["bwd_ms"], bwd_pred),
+            _f(step_pred, 1),
+            _f(got["step_ms"], 1),
+            _err(got["step_ms"], step_pred),
+            _f(mem_pred / MIB, 1),
+            _f(got["peak_bytes"] / MIB, 1),
+            _err(got["peak_bytes"], mem_pred),
+        ]
+        lines.append("  ".join(c.rjust(w) for c, (_, w) in zip(cells, cols, strict=True)))
+    sps_pred = plan.predicted.samples_per_s
+    lines.append(
+        f"step: predicted {_f(step_pred, 1)} ms, measured {_f(result.step_ms, 1)} ms "
+        f"({_err(result.step_ms, step_pred)}); throughput predicted {_f(sps_pred, 0)}, "
+        f"measured {_f(result.samples_per_s, 0)} samples/s ({_err(result.samples_per_s, sps_pred)})"
+    )
+    if with_sync:
+        lines.append("* backward + DDP gradient all-reduce (1 micro-batch, dp > 1)")
+    elif skip:
+        lines.append("backward: all but the last micro-batch's (which also all-reduces, dp > 1)")
+    methods = sorted({r.memory_method for r in result.records})
+    lines.append(f"memory measured as: {'; '.join(methods)}")
+    return "\n".join(lines)
+
+
+def _span(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    lo, hi = steps[0] + 1, steps[-1] + 1  # 1-based, as the training log prints them
+    return f"{lo}" if lo == hi else f"{lo}–{hi}"
+
+
+_THREAD_STEP = 1000  # the "step" lane's thread id, below the stage lane
+
+
+def trace_json(result: Measurement, *, title: str = "measured") -> dict[str, Any]:
+    """The recorded intervals as Chrome / Perfetto trace JSON, one process per rank.
+
+    The same format as ``planner.report.trace_events`` (the predicted trace):
+    complete ("X") events in microseconds, named "F3" / "B3" on a thread
+    "stage k", so a predicted and a measured trace read alike. Each rank's
+    process also has a "steps" lane (the step, the optimizer, the tied sum).
+    """
+    trace = ChromeTrace()
+    t0 = min((iv.start for r in result.records for iv in r.intervals), default=0.0)
+    for r in result.records:
+        pid = r.rank
+        trace.process(pid, f"rank {r.rank}: replica {r.replica}, stage {r.stage}", r.rank)
+        trace.thread(pid, r.stage, f"stage {r.stage}", 0)
+        trace.thread(pid, _THREAD_STEP, "steps", 1)
+        for iv in r.intervals:
+            lane = r.stage if iv.kind in ("F", "B", "loss") else _THREAD_STEP
+            name = f"{iv.kind}{iv.micro_batch}" if iv.micro_batch >= 0 else iv.kind
+            if iv.kind == "step":
+                name = f"step {iv.step + 1}"
+            args: dict[str, Any] = {"stage": r.stage, "step": iv.step + 1}
+            if iv.micro_batch >= 0:
+                args["micro_batch"] = iv.micro_batch
+            start, end = (iv.start - t0) * 1e3, (iv.end - t0) * 1e3
+            trace.box(pid, lane, name, iv.kind, start, end, args)
+    return trace.data(title=title, steps=[s + 1 for s in result.steps])
+
+
+def write_trace(
+    result: Measurement, path: str | os.PathLike[str], *, title: str = "measured"
+) -> Path:
+    """Write :func:`trace_json` to ``path`` atomically; open it in ui.perfetto.dev."""
+    return atomic_write(path, json.dumps(trace_json(result, title=title), ensure_ascii=False))

@@ -1,0 +1,348 @@
+"""What a running plan actually does: per-stage forward/backward time, step time, peak memory.
+
+Example::
+
+    with Recorder(pmodel) as rec:
+        for step in range(steps):
+            pmodel.step(x, y)
+        result = rec.gather()                 # a collective; rank 0 gets the figures
+    if result is not None:
+        print(comparison_table(pmodel.plan, result))
+        write_trace(result, "measured.trace.json")
+
+How the times are taken. ``torch.distributed.pipelining`` has no public
+per-action timing hook, so the :class:`Recorder` wraps, on this rank's objects
+only (instance attributes, restored by :meth:`Recorder.close`):
+
+* ``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``: one call is
+  one action of the schedule, ``F k`` / ``B k`` for micro-batch k, its own
+  compute only (the schedule waits for received activations or gradients
+  *outside* these calls, so waiting is not counted as work). On the last
+  stage the loss (the schedule's ``_loss_fn``, when present) is timed too and
+  counted in the forward, as the planner's prediction counts it;
+* ``ParallelModel.step``: the step's wall time; the optimizer's step through
+  its public pre/post hooks; the tied-weight gradient sum.
+
+On CUDA each timed interval is bracketed by ``torch.cuda.synchronize`` (the
+kernels are asynchronous), which costs some overlap: measure, then train
+without the recorder. Peak memory: ``torch.cuda.max_memory_allocated`` on
+CUDA; on the CPU (no allocator statistics) the bytes of the stage's
+tensors that outlive a step (parameters, buffers, gradients, optimizer state;
+counted after the warm-up) plus the growth of the process's peak resident
+set (``ru_maxrss``, its peak reset through ``/proc/self/clear_refs`` where
+Linux allows) over the counted steps: activations, temporaries, allocator
+slack. An approximation, to compare with the plan's prediction.
+
+The first ``warmup_steps`` recorded steps (allocations, first-call costs) are
+left out of the figures. Ranks' clocks are aligned by a barrier when the
+recorder starts (good to about a millisecond on one machine).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.measure.memory import MemoryProbe, stage_state_bytes
+
+if TYPE_CHECKING:
+    from runtime.engine import ParallelModel
+
+__all__ = ["Interval", "Measurement", "RankRecord", "Recorder"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One timed action: ``kind`` "F", "B", "loss", "tied", "optimizer" or "step".
+
+    ``start`` and ``end`` are seconds since the recorder started (aligned
+    across ranks); ``micro_batch`` is -1 for whole-step actions.
+    """
+
+    kind: str
+    step: int
+    micro_batch: int
+    start: float
+    end: float
+
+    @property
+    def ms(self) -> float:
+        return (self.end - self.start) * 1e3
+
+
+@dataclass
+class RankRecord:
+    """One rank's record, as gathered to rank 0."""
+
+    rank: int
+    replica: int
+    stage: int
+    device: str
+    intervals: list[Interval] = field(default_factory=list)
+    peak_bytes: float = 0.0
+    memory_method: str = ""
+
+    def durations(self, kind: str, steps: set[int], skip_mb: int | None = None) -> list[float]:
+        """Milliseconds of every ``kind`` action in ``steps``; a forward includes its loss.
+
+        ``skip_mb``: leave out this micro-batch's actions (see ``stage_figures``).
+        """
+        out: dict[tuple[int, int], float] = {}
+        for iv in self.intervals:
+            if iv.step not in steps or (skip_mb is not None and iv.micro_batch == skip_mb):
+                continue
+            if iv.kind == kind or (kind == "F" and iv.kind == "loss"):
+                key = (iv.step, iv.micro_batch)
+                out[key] = out.get(key, 0.0) + iv.ms
+        return list(out.values())
+
+
+@dataclass
+class Measurement:
+    """Every rank's record (rank 0, after :meth:`Recorder.gather`) and which steps count."""
+
+    records: list[RankRecord]
+    steps: list[int]  # recorded steps, in order
+    counted: list[int]  # the ones after warm-up (the figures' source)
+    global_batch: int
+
+    def stage_figures(
+        self, stage: int, *, skip_last_backward: int | None = None
+    ) -> dict[str, float]:
+        """Medians over the counted steps (and over replicas) for one stage.
+
+        ``skip_last_backward=m``: leave micro-batch m − 1's backward out (with
+        dp > 1 it holds DDP's gradient all-reduce; see ``comparison_table``).
+        """
+        counted = set(self.counted)
+        recs = [r for r in self.records if r.stage == stage]
+        skip = None if skip_last_backward is None else skip_last_backward - 1
+        fwd = [d for r in recs for d in r.durations("F", counted)]
+        bwd = [d for r in recs for d in r.durations("B", counted, skip)]
+        step = [d for r in recs for d in r.durations("step", counted)]
+        return {
+            "fwd_ms": _median(fwd),
+            "bwd_ms": _median(bwd),
+            "step_ms": _median(step),
+            "peak_bytes": max((r.peak_bytes for r in recs), default=float("nan")),
+        }
+
+    @property
+    def step_ms(self) -> float:
+        """Median over counted steps of the slowest rank's step time."""
+        counted = set(self.counted)
+        per_step: dict[int, float] = {}
+        for r in self.records:
+            for iv in r.intervals:
+                if iv.kind == "step" and iv.step in counted:
+                    per_step[iv.step] = max(per_step.get(iv.step, 0.0), iv.ms)
+        return _median(list(per_step.values()))
+
+    @property
+    def samples_per_s(self) -> float:
+        ms = self.step_ms
+        return self.global_batch / (ms / 1e3) if ms > 0 else float("nan")
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# --------------------------------------------------------------------------- recording
+
+
+class Recorder:
+    """Times this rank's pipeline actions and steps; see the module docstring.
+
+    Args:
+        pmodel: the running model; every rank creates its recorder at the same
+            point (the constructor is a collective: a barrier aligns the clocks).
+        warmup_steps: recorded steps left out of the figures (not of the trace).
+        keep_steps: intervals are kept for the last this-many steps only (the
+            figures and the trace come from them); older ones are dropped.
+        first_step: the training step (0-based) the first recorded step is,
+            e.g. the step a run resumed at; steps are reported 1-based.
+    """
+
+    def __init__(
+        self,
+        pmodel: ParallelModel,
+        *,
+        warmup_steps: int = 1,
+        keep_steps: int = 50,
+        first_step: int = 0,
+    ):
+        if warmup_steps < 0 or keep_steps < 1:
+            raise ValueError(
+                f"warmup_steps must be ≥ 0 and keep_steps ≥ 1, got {warmup_steps}, {keep_steps}"
+            )
+        self.pmodel = pmodel
+        self.warmup_steps = warmup_steps
+        self.keep_steps = keep_steps
+        self.device = pmodel.mesh.device
+        self._sync = self.device.type == "cuda"
+        self._intervals: list[Interval] = []
+        self._steps: list[int] = []
+        self._first = first_step
+        self._step = first_step - 1
+        self._losses = 0
+        self._undo: list[Callable[[], None]] = []
+        self._mem = MemoryProbe(self.device)
+        self._wrap()
+        if dist.is_initialized() and self._sync:
+            dist.barrier(device_ids=[self.device.index])
+        elif dist.is_initialized():
+            dist.barrier()
+        self._t0 = time.perf_counter()
+        self._mem.start(stage_state_bytes(pmodel))
+
+    # -------------------------------------------------------------- wrapping
+
+    def _clock(self) -> float:
+        if self._sync:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - self._t0
+
+    def _timed(self, kind: str, fn: Callable[..., Any], mb_of: Callable[..., int]) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = self._clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                mb = mb_of(*args, **kwargs)
+                self._intervals.append(Interval(kind, self._step, mb, start, self._clock()))
+
+        return run
+
+    def _patch(self, obj: Any, name: str, wrapper: Any) -> None:
+        had = name in vars(obj)
+        old = vars(obj).get(name)
+        setattr(obj, name, wrapper)
+
+        def undo() -> None:
+            if had:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
+
+        self._undo.append(undo)
+
+    def _wrap(self) -> None:
+        pm = self.pmodel
+        stage = pm.stage.pipeline_stage
+
+        def chunk(*args: Any, **kwargs: Any) -> int:
+            for key in ("fwd_chunk_id", "bwd_chunk_id"):
+                if key in kwargs:
+                    return int(kwargs[key])
+            return int(args[0]) if args else -1
+
+        self._patch(stage, "forward_one_chunk", self._timed("F", stage.forward_one_chunk, chunk))
+        self._patch(stage, "backward_one_chunk", self._timed("B", stage.backward_one_chunk, chunk))
+        loss_fn = getattr(pm.schedule, "_loss_fn", None)  # private: timed when present
+        if callable(loss_fn):
+
+            def loss_mb(*args: Any, **kwargs: Any) -> int:
+                self._losses += 1  # the schedule computes the losses in micro-batch order
+                return self._losses - 1
+
+            self._patch(pm.schedule, "_loss_fn", self._timed("loss", loss_fn, loss_mb))
+        if pm.tied.mine:
+            self._patch(pm.tied, "sync_grads", self._timed("tied", pm.tied.sync_grads, _whole))
+        if pm.optimizer is not None:
+            began: dict[str, float] = {}
+
+            def pre(*_: Any) -> None:
+                began["t"] = self._clock()
+
+            def post(*_: Any) -> None:
+                t = began.pop("t", None)
+                if t is not None:
+                    self._intervals.append(Interval("optimizer", self._step, -1, t, self._clock()))
+
+            handles = [
+                pm.optimizer.register_step_pre_hook(pre),
+                pm.optimizer.register_step_post_hook(post),
+            ]
+            self._undo.extend(h.remove for h in handles)
+        step = pm.step
+
+        def timed_step(*args: Any, **kwargs: Any) -> Any:
+            self._step += 1
+            self._steps.append(self._step)
+            if self.warmup_steps and self._step == self._first + self.warmup_steps:
+                self._mem.start(stage_state_bytes(pm), cuda=False)  # grads, optimizer state exist
+            self._losses = 0
+            self._forget()
+            return self._timed("step", step, _whole)(*args, **kwargs)
+
+        self._patch(pm, "step", timed_step)
+
+    def _forget(self) -> None:
+        """Drop the intervals of steps older than ``keep_steps``."""
+        if len(self._steps) > self.keep_steps:
+            keep = set(self._steps[-self.keep_steps :])
+            self._intervals = [iv for iv in self._intervals if iv.step in keep]
+
+    # -------------------------------------------------------------- results
+
+    def record(self) -> RankRecord:
+        """This rank's record so far (no communication)."""
+        mesh = self.pmodel.mesh
+        peak, method = self._mem.peak()
+        return RankRecord(
+            rank=mesh.rank,
+            replica=mesh.replica,
+            stage=mesh.stage,
+            device=str(self.device),
+            intervals=list(self._intervals),
+            peak_bytes=peak,
+            memory_method=method,
+        )
+
+    def gather(self) -> Measurement | None:
+        """Every rank's record on rank 0 (a collective); None on the other ranks."""
+        mine = self.record()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            parts: list[Any] = [mine]
+        else:
+            rank = dist.get_rank()
+            parts_or_none: list[Any] | None = [None] * world if rank == 0 else None
+            dist.gather_object(mine, parts_or_none, dst=0)
+            if rank != 0:
+                return None
+            assert parts_or_none is not None
+            parts = parts_or_none
+        recorded = sorted({iv.step for r in parts for iv in r.intervals if iv.kind == "step"})
+        counted = [s for s in recorded if s >= self._first + self.warmup_steps] or recorded
+        return Measurement(
+            records=sorted(parts, key=lambda r: r.rank),
+            steps=recorded,
+            counted=counted,
+            global_batch=self.pmodel.plan.global_batch,
+        )
+
+    def close(self) -> None:
+        """Restore the wrapped methods and remove the hooks."""
+        while self._undo:
+            self._undo.pop()()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _whole(*args: Any, **kwargs: Any) -> int:
+    return -1

@@ -1,0 +1,182 @@
+"""This rank's pipeline stage: the model split at the plan's split points, DDP over replicas.
+
+The split is :mod:`runtime.split`'s: ``pipeline`` (torch.export underneath,
+then ``pipe.build_stage``), or ``fx`` (a ``symbolic_trace`` graph and a manual
+``PipelineStage`` with the example shapes measured there).
+
+Every rank splits the whole model (deterministically), so every rank knows
+which stage holds which parameter: tied-weight groups need that. Each rank then
+keeps only its own stage; names a stage module carries but never uses (e.g. the
+untouched original of a tied weight that ``pipeline`` copies) are removed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.nn.parallel import DistributedDataParallel
+
+from planner.plan.schema import Plan
+from runtime.mesh import Mesh
+from runtime.options import SPLIT_METHODS
+from runtime.split import Example, split_for_plan
+from runtime.split.used import prune_unused, used_tensors
+
+__all__ = ["StageModule", "build_stage"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class StageModule:
+    """This rank's stage, ready for a schedule.
+
+    Attributes:
+        index: the stage index; ``num_stages`` the pipeline depth.
+        module: the stage's submodule; its parameters and buffers keep the
+            model's FQNs (``blocks.3.attn.qkv.weight``).
+        wrapped: ``DistributedDataParallel(module)`` when dp > 1 and the stage
+            has trainable parameters, else ``module``.
+        pipeline_stage: torch's stage object the schedule runs.
+        method: how the model was split: "pipeline" or "fx".
+        fallback_reason: why ``pipeline`` was not used (None when it was).
+        held: for every stage (not only this one), the names of the parameters
+            and buffers its module keeps, all aliases included.
+    """
+
+    index: int
+    num_stages: int
+    module: nn.Module
+    wrapped: nn.Module
+    pipeline_stage: Any
+    method: str
+    fallback_reason: str | None
+    held: tuple[frozenset[str], ...]
+
+    @property
+    def ddp(self) -> bool:
+        return isinstance(self.wrapped, DistributedDataParallel)
+
+    def trainable(self) -> list[nn.Parameter]:
+        """This stage's parameters that require grad, each tensor once."""
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+
+# --------------------------------------------------------------------------- build
+
+
+def build_stage(
+    model: nn.Module, plan: Plan, mesh: Mesh, example: Example, *, split: str = "auto"
+) -> StageModule:
+    """Split ``model`` as ``plan`` says and build this rank's stage (DDP-wrapped if dp > 1).
+
+    Example::
+
+        stage = build_stage(model, plan, mesh, ((x[:4],), {}))
+        schedule = ScheduleGPipe(stage.pipeline_stage, plan.micro_batches, loss_fn=loss)
+
+    Args:
+        model: the whole model, the same (same initial values) on every rank.
+            Its stage shares tensors with it (no copies on the CPU).
+        example: ONE micro-batch's ``(args, kwargs)``, of the plan's micro-batch
+            size: ``pipeline`` traces static shapes.
+        split: one of :data:`SPLIT_METHODS`.
+
+    Raises:
+        StageError: the split does not give ``plan.pp`` stages, or both ways to
+            split failed (the message says why each did).
+    """
+    if split not in SPLIT_METHODS:
+        raise ValueError(f"split must be one of {', '.join(SPLIT_METHODS)}, got {split!r}")
+    parts = split_for_plan(model, plan, example, split)
+    used = [used_tensors(m) for m in parts.modules]
+    held = tuple(frozenset(names) for names in used)
+    s = mesh.stage
+    module = parts.modules[s]
+    prune_unused(module, used[s])
+    if parts.pipe is not None:
+        stage = parts.pipe.build_stage(s, mesh.device, group=mesh.pp_group)
+    else:
+        ins, outs = parts.shapes[s]
+        stage = PipelineStage(
+            module,
+            s,
+            plan.pp,
+            mesh.device,
+            input_args=ins,
+            output_args=outs,
+            group=mesh.pp_group,
+        )
+    # The pp group's ranks are sorted by global rank; the plan's stage order may differ.
+    stage.stage_index_to_group_rank = {
+        i: dist.get_group_rank(mesh.pp_group, mesh.grid[mesh.replica][i]) for i in range(plan.pp)
+    }
+    wrapped = _maybe_ddp(module, mesh)
+    stage.submod = wrapped
+    log.info(
+        "%s stage %d/%d built with %s: %d parameters (%d trainable), %s",
+        mesh.prefix,
+        s,
+        plan.pp,
+        parts.method,
+        sum(1 for _ in module.parameters()),
+        sum(p.numel() for p in module.parameters() if p.requires_grad),
+        "DDP" if wrapped is not module else "no DDP",
+    )
+    return StageModule(
+        index=s,
+        num_stages=plan.pp,
+        module=module,
+        wrapped=wrapped,
+        pipeline_stage=stage,
+        method=parts.method,
+        fallback_reason=parts.reason,
+        held=held,
+    )
+
+
+# --------------------------------------------------------------------------- DDP
+
+
+def _maybe_ddp(module: nn.Module, mesh: Mesh) -> nn.Module:
+    """Wrap in DDP over this stage's replicas, when there are several and something to train.
+
+    [Note: DDP inside a pipeline stage]
+    torch's stage runs every micro-batch's forward, and the backward of all but
+    the last micro-batch, under ``DistributedDataParallel.no_sync()``; before the
+    last backward it calls ``reducer.prepare_for_backward`` itself (stage.py,
+    ``backward_maybe_with_nosync``). Gradients therefore accumulate locally over
+    the micro-batches and are all-reduced (averaged over dp) once per step,
+    during the last backward. No ``find_unused_parameters``: the stage module
+    holds only tensors its graph reads (see ``split.used``), so every trainable
+    parameter gets a gradient in every backward.
+    """
+    if mesh.dp == 1:
+        return module
+    if not any(p.requires_grad for p in module.parameters()):
+        log.info("%s stage has no trainable parameters: no DDP", mesh.prefix)
+        return module
+    device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
+    return _StageDDP(module, device_ids=device_ids, process_group=mesh.dp_group)
+
+
+class _StageDDP(DistributedDataParallel):
+    """DDP that shows the wrapped stage's fx ``graph``.
+
+    torch's traced stage (``_PipelineStage``, the ``pipeline`` path) reads
+    ``submod.graph`` to lay out its receive and send buffers on the first step
+    (stage.py, ``_create_act_recv_info`` / ``_create_act_send_info``); it is still
+    a ``DistributedDataParallel``, so the stage's no_sync handling applies.
+    """
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        graph = self.module.graph
+        assert isinstance(graph, torch.fx.Graph)
+        return graph
