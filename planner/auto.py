@@ -65,12 +65,10 @@ def auto_parallel(
             loss = pmodel.step(x, y)
         pmodel.close()
 
-    Inside a torchrun job (``WORLD_SIZE`` > 1) rank 0 plans on a cluster of
-    ``WORLD_SIZE`` local devices (``from_gpus``: the local GPU type, or CPU
-    processes), so that pp × dp = the world size, or loads ``plan``; it
-    broadcasts the plan to every rank (over a gloo group), so all build the
-    same placement. A planning error on rank 0 is raised on every rank. With
-    one process the plan is pp = dp = 1: micro-batching only.
+    Inside a torchrun job (``WORLD_SIZE`` > 1) rank 0 plans for ``WORLD_SIZE``
+    local devices (``from_gpus``), so that pp × dp = the world size, or loads
+    ``plan``, and broadcasts it (over gloo): every rank builds the same
+    placement, or raises rank 0's planning error. One process: pp = dp = 1.
 
     Args:
         model: the whole model, built identically on every rank (seed first).
@@ -99,24 +97,21 @@ def auto_parallel(
     make_opt = optimizer or (lambda ps: torch.optim.Adam(ps, lr=1e-3))
     _split_options(plan_options)  # unknown keywords fail on every rank, before any communication
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    created = False
-    if world > 1 and not dist.is_initialized():
+    created = world > 1 and not dist.is_initialized()
+    if created:
         dist.init_process_group(backend or default_backend(), timeout=timedelta(seconds=timeout_s))
-        created = True
-
-    def resolve() -> Plan:
-        return _resolve(
+    chosen = _from_rank0(
+        lambda: _resolve(
             model, sample, loss, make_opt, plan, cluster, global_batch, world, plan_options
-        )
-
-    chosen = resolve() if world == 1 else _from_rank0(resolve)
-    args, kwargs = normalize_inputs(sample[0])
+        ),
+        world,
+    )
     pmodel = ParallelModel.from_plan(
         model,
         chosen,
         loss_fn=loss,
         optimizer=make_opt,
-        sample=(args, kwargs),
+        sample=normalize_inputs(sample[0]),
         backend=backend,
         split=split,
         timeout_s=timeout_s,
@@ -176,8 +171,13 @@ def _resolve(
     return chosen
 
 
-def _from_rank0(resolve: Callable[[], Plan]) -> Plan:
-    """Rank 0 resolves the plan; every rank gets it (or rank 0's error, as a ValueError)."""
+def _from_rank0(resolve: Callable[[], Plan], world: int) -> Plan:
+    """Rank 0 resolves the plan; every rank gets it (or rank 0's error, as a ValueError).
+
+    With one process, the plan is resolved here and nothing is sent.
+    """
+    if world == 1:
+        return resolve()
     rank = dist.get_rank()
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PLAN_TIMEOUT_S))
     box: list[Any] = [None]

@@ -21,10 +21,10 @@ from planner.options import PlanOptions, SearchOptions, Training
 from planner.plan.batch import batch_size_of, normalize_inputs, slice_batch
 from planner.plan.fingerprint import parameter_shapes
 from planner.plan.records import ModelProfile
-from planner.plan.schema import (
+from planner.plan.schema import Plan
+from planner.plan.sections import (
     LayoutPlan,
     ModelInfo,
-    Plan,
     Predicted,
     SolverRecord,
     StageMemory,

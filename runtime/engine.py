@@ -137,15 +137,7 @@ class ParallelModel:
             ValueError: a bad sample, schedule or device.
             StageError: the model cannot be split at the plan's split points.
         """
-        if plan.schedule not in SCHEDULES:
-            raise ValueError(
-                f"the plan's schedule {plan.schedule!r} is not one this runtime runs "
-                f"({', '.join(SCHEDULES)}); edit training.schedule in the plan or re-plan"
-            )
-        problem = schedule_problem(plan.schedule, plan.pp, plan.micro_batches)
-        if problem is not None:
-            why, fix = problem
-            raise ValueError(f"the plan cannot run: {why}; fix: {fix} (re-plan, or edit the plan)")
+        _check_schedule(plan)
         example = _micro_batch(sample, plan.micro_batch_size)
         check_plan(plan, model, backend=backend)
         sets = tied_sets(plan, model)
@@ -334,6 +326,19 @@ class ParallelModel:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _check_schedule(plan: Plan) -> None:
+    """Refuse a schedule this runtime does not run, or one the plan's layout cannot."""
+    if plan.schedule not in SCHEDULES:
+        raise ValueError(
+            f"the plan's schedule {plan.schedule!r} is not one this runtime runs "
+            f"({', '.join(SCHEDULES)}); edit training.schedule in the plan or re-plan"
+        )
+    problem = schedule_problem(plan.schedule, plan.pp, plan.micro_batches)
+    if problem is not None:
+        why, fix = problem
+        raise ValueError(f"the plan cannot run: {why}; fix: {fix} (re-plan, or edit the plan)")
 
 
 def _micro_batch(

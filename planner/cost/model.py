@@ -25,7 +25,7 @@ from planner.cost.step_time import closed_form
 from planner.devices.cluster import Cluster
 from planner.options import Training
 from planner.plan.records import ModelProfile
-from planner.plan.schema import StepInputs
+from planner.plan.sections import StepInputs
 from planner.plan.timeline import Timeline
 
 __all__ = ["CostModel", "Prediction", "StagePrediction"]

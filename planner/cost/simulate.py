@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from planner.plan.schedule import schedule_actions
-from planner.plan.schema import StepInputs
+from planner.plan.sections import StepInputs
 from planner.plan.timeline import Event, Timeline
 
 __all__ = ["replay", "simulate"]

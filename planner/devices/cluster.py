@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from planner.devices.catalogue import Device
 from planner.devices.local import usable_cores
-from planner.plan.schema import ClusterRecord, DeviceGroup, LinkRecord, NodeRecord
+from planner.plan.sections import ClusterRecord, DeviceGroup, LinkRecord, NodeRecord
 from planner.plan.units import GIB
 
 __all__ = [

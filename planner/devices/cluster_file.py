@@ -41,7 +41,7 @@ from planner.devices.catalogue import Device, default_catalogue
 from planner.devices.cluster import LINK_FIELDS, Cluster
 from planner.devices.local import usable_cores
 from planner.plan.codec import encode
-from planner.plan.schema import ClusterRecord
+from planner.plan.sections import ClusterRecord
 from planner.plan.units import GIB
 
 __all__ = ["from_record", "load_cluster", "parse_cluster"]

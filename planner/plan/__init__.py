@@ -1,7 +1,7 @@
 """The contract between the planner and the runtime: the plan, and what both sides share.
 
 The runtime imports this package and nothing else of the planner. Its parts:
-``schema`` (the plan's typed sections), ``codec`` (typed records to plain data
+``schema`` (the plan), ``sections`` (its typed sections), ``codec`` (typed records to plain data
 and back), ``formats`` (versions), ``files`` (plan files, the atomic write),
 ``records`` (the profile a plan carries), ``schedule`` (the schedules as data),
 ``timeline`` (events and trace JSON), ``fingerprint`` (the model's identity),
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from planner.plan.files import atomic_write, load_plan, plan_text, save_plan
 from planner.plan.formats import PLAN_VERSION, SUPPORTED_VERSIONS
-from planner.plan.schema import (
+from planner.plan.schema import Plan, PlanError, plan_summary
+from planner.plan.sections import (
     Candidate,
     ClusterRecord,
     DeviceGroup,
@@ -24,15 +25,12 @@ from planner.plan.schema import (
     LinkRecord,
     ModelInfo,
     NodeRecord,
-    Plan,
-    PlanError,
     Predicted,
     SolverRecord,
     StageMemory,
     StagePlan,
     StepInputs,
     TrainingPlan,
-    plan_summary,
 )
 
 __all__ = [

@@ -31,7 +31,7 @@ from planner.cost.basis import Layout
 from planner.cost.model import CostModel, Prediction
 from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
-from planner.plan.schema import Candidate
+from planner.plan.sections import Candidate
 from planner.plan.text import first_line
 from planner.search.configurations import Config, ProfileFor, bounded, configurations
 from planner.search.messages import nothing_fits, plan_warnings

@@ -9,7 +9,7 @@ from planner.cost.basis import Layout
 from planner.cost.model import CostModel, Prediction
 from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
-from planner.plan.schema import Candidate
+from planner.plan.sections import Candidate
 from planner.solve.problem import PartitionSolution, format_bytes
 
 __all__ = ["nothing_fits", "nothing_possible", "plan_warnings"]

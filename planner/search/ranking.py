@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from planner.cost.basis import Layout
-from planner.plan.schema import Candidate
+from planner.plan.sections import Candidate
 from planner.search.configurations import Config
 
 __all__ = ["candidate", "ranked"]

@@ -97,10 +97,7 @@ def solve_partition(
     """
     t0 = time.perf_counter()
     name = pick_solver(solver)
-    if time_limit_s is not None and not time_limit_s > 0:
-        raise ValueError(f"time_limit_s must be > 0 seconds or None (got {time_limit_s!r})")
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads must be an integer ≥ 1 or None (got {threads!r})")
+    _check_limits(time_limit_s, threads)
     deadline = t0 + time_limit_s if time_limit_s is not None else math.inf
     c = SegmentCosts(problem)
     check_feasible(c)
@@ -120,15 +117,7 @@ def solve_partition(
     prob, x = build_ilp(c, segs, incumbent)
     remaining = deadline - time.perf_counter()
     if remaining <= 0:
-        sol = answer(incumbent, "time_limit", None, "time limit reached before the ILP ran")
-        if sol.status == "time_limit":
-            log.warning(
-                "partition: time limit reached before the ILP ran; keeping the best placement "
-                "of the heuristic and pruning (T = %.6g, within %.2f%% of the bound)",
-                sol.objective,
-                100 * (sol.gap or 0.0),
-            )
-        return sol
+        return _out_of_time(answer, incumbent)
     limit = None if math.isinf(remaining) else remaining
     started = time.perf_counter()
     outcome = (run_highs if name == "highs" else run_cbc)(prob, limit, threads)
@@ -136,6 +125,26 @@ def solve_partition(
     log.info("partition: %s", outcome.detail)
     path = chosen_path(c, x) if outcome.has_solution else None
     return _conclude(answer, c, outcome, path, incumbent)
+
+
+def _check_limits(time_limit_s: float | None, threads: int | None) -> None:
+    if time_limit_s is not None and not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be > 0 seconds or None (got {time_limit_s!r})")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be an integer ≥ 1 or None (got {threads!r})")
+
+
+def _out_of_time(answer: _Answer, incumbent: list[int]) -> PartitionSolution:
+    """The limit ran out before the ILP: the heuristic's and the pruning's best, and its gap."""
+    sol = answer(incumbent, "time_limit", None, "time limit reached before the ILP ran")
+    if sol.status == "time_limit":
+        log.warning(
+            "partition: time limit reached before the ILP ran; keeping the best placement "
+            "of the heuristic and pruning (T = %.6g, within %.2f%% of the bound)",
+            sol.objective,
+            100 * (sol.gap or 0.0),
+        )
+    return sol
 
 
 def _incumbent(

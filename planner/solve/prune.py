@@ -141,18 +141,7 @@ def prune(
     """
     S, m, inf = c.S, c.m, math.inf
     inc = list(incumbent)
-    layers: list[Layer] = []
-    reach, wcap = {0}, U / m * (1 + TOL)
-    for s in range(S):  # forward, so only reachable starts are walked
-        layer: Layer = {}
-        ok = range(s + 1, c.hi(s + 1) + 1) if s < S - 1 else range(c.K, c.K + 1)
-        cuts = [c.cut(s, b) if b in ok else inf for b in range(c.K + 1)]
-        for a in sorted(reach):
-            row = [(b, c.w(s, a, b), cuts[b], -1.0) for b in c.ends(s, a, wcap) if cuts[b] <= wcap]
-            if row:
-                layer[a] = row
-        layers.append(layer)
-        reach = {seg[0] for row in layer.values() for seg in row}
+    layers = _first_layers(c, U)
     count, first = -1, True
     for round_ in range(rounds):
         if round_ > 0 and time.perf_counter() > deadline:
@@ -160,26 +149,8 @@ def prune(
         w_lb = _bottleneck(layers, lambda w, cut, r: max(w, cut))
         a_lb = 0.0 if first else _bottleneck(layers, lambda w, cut, r: r)
         sum_lb = _sweeps(c, layers, inf, inf)[1][0][0]
-        slack = TOL * max(1.0, abs(U))
-        # Bucket (ylo, ycap, rlo, rcap): placements whose bottleneck Y lies in (ylo, ycap]
-        # and whose all-reduce A lies in (rlo, rcap]. A family of buckets covers every
-        # placement that could beat U; each family gives a lower bound, the larger wins.
-        y_top = (U + slack - sum_lb - a_lb) / (m - 1) if m > 1 and not first else inf
-        r_top = U + slack - sum_lb - (m - 1) * w_lb if not first else inf
-        scale = min(4.0, max(1.0, (_BUCKET_BUDGET / max(count, 1)) ** 0.5))
-        n1, n2 = round(8 * scale), round(3 * scale)  # 8..32 per 1-D family, 3..12 a side in 2-D
-        families = [[(lo, cap, a_lb, inf) for lo, cap in _grid(w_lb, y_top, n1)]]
-        if not first:
-            families.append([(w_lb, inf, lo, cap) for lo, cap in _grid(a_lb, r_top, n1)])
-            families.append(
-                [
-                    (ylo, ycap, rlo, rcap)
-                    for ylo, ycap in _grid(w_lb, y_top, n2)
-                    for rlo, rcap in _grid(a_lb, r_top, n2)
-                    if ylo * (m - 1) + rlo + sum_lb <= U + slack
-                ]
-            )
-        tables: list[list[tuple[float, float, float, float, Table, Table]]] = []
+        families = _families(m, U, sum_lb, w_lb, a_lb, count, first)
+        tables: list[_Family] = []
         for family in families:
             tables.append([])
             for ylo, ycap, rlo, rcap in family:
@@ -193,38 +164,100 @@ def prune(
         )
         limit = U + TOL * max(1.0, abs(U))
         must = {(s, inc[s], inc[s + 1]) for s in range(S)}
-        new: list[Layer] = []
-        for s in range(S):
-            layer = {}
-            for a, row in layers[s].items():
-                cin, kept = c.cut(s - 1, a), []
-                for b, w, cut, r in row:
-                    y, lb = max(w, cut), -inf
-                    for t in tables:
-                        best = inf
-                        for ylo, ycap, rlo, rcap, F, G in t:
-                            fa, g = F[s].get(a), G[s + 1].get(b)
-                            if ycap >= y and rcap >= r and fa is not None and g is not None:
-                                v = fa + w + cut + g + (m - 1) * max(ylo, y, cin) + max(rlo, r)
-                                best = min(best, v)
-                        lb = max(lb, best)
-                    forced = (s, a, b) in must
-                    if r < 0 and lb <= limit:  # first round: one open bucket with rlo = 0
-                        r = c.r(s, a, b)
-                        lb += r  # the bucket added max(0, -1.0) = 0 for it
-                    if lb > limit and not forced:
-                        continue
-                    kept.append((b, w, cut, r if r >= 0 else c.r(s, a, b)))
-                if kept:
-                    layer[a] = kept
-            new.append(layer)
-        layers = new
+        layers = [_kept(c, s, layers[s], tables, limit, must) for s in range(S)]
         n_now = sum(len(row) for layer in layers for row in layer.values())
         if n_now == count and not first:
             break
         log.debug("prune round: %d segments, U %.6g, root %.6g", n_now, U, root)
         count, first = n_now, False
     return Segments(_trim(c, layers), w_lb, a_lb, min(root, U), inc)
+
+
+# A family of buckets, swept: (ylo, ycap, rlo, rcap, F, G) per bucket.
+_Family = list[tuple[float, float, float, float, Table, Table]]
+
+
+def _first_layers(c: SegmentCosts, U: float) -> list[Layer]:
+    """Every segment with y ≤ U/m that fits its stage's memory, walked forward so that only
+    reachable starts are walked (any stage forces T ≥ m·y)."""
+    inf = math.inf
+    layers: list[Layer] = []
+    reach, wcap = {0}, U / c.m * (1 + TOL)
+    for s in range(c.S):
+        layer: Layer = {}
+        ok = range(s + 1, c.hi(s + 1) + 1) if s < c.S - 1 else range(c.K, c.K + 1)
+        cuts = [c.cut(s, b) if b in ok else inf for b in range(c.K + 1)]
+        for a in sorted(reach):
+            row = [(b, c.w(s, a, b), cuts[b], -1.0) for b in c.ends(s, a, wcap) if cuts[b] <= wcap]
+            if row:
+                layer[a] = row
+        layers.append(layer)
+        reach = {seg[0] for row in layer.values() for seg in row}
+    return layers
+
+
+def _families(
+    m: int, U: float, sum_lb: float, w_lb: float, a_lb: float, count: int, first: bool
+) -> list[list[tuple[float, float, float, float]]]:
+    """The bucket families of a round.
+
+    Bucket (ylo, ycap, rlo, rcap): placements whose bottleneck Y lies in (ylo, ycap]
+    and whose all-reduce A lies in (rlo, rcap]. A family of buckets covers every
+    placement that could beat U; each family gives a lower bound, the larger wins.
+    """
+    inf = math.inf
+    slack = TOL * max(1.0, abs(U))
+    y_top = (U + slack - sum_lb - a_lb) / (m - 1) if m > 1 and not first else inf
+    r_top = U + slack - sum_lb - (m - 1) * w_lb if not first else inf
+    scale = min(4.0, max(1.0, (_BUCKET_BUDGET / max(count, 1)) ** 0.5))
+    n1, n2 = round(8 * scale), round(3 * scale)  # 8..32 per 1-D family, 3..12 a side in 2-D
+    families = [[(lo, cap, a_lb, inf) for lo, cap in _grid(w_lb, y_top, n1)]]
+    if not first:
+        families.append([(w_lb, inf, lo, cap) for lo, cap in _grid(a_lb, r_top, n1)])
+        families.append(
+            [
+                (ylo, ycap, rlo, rcap)
+                for ylo, ycap in _grid(w_lb, y_top, n2)
+                for rlo, rcap in _grid(a_lb, r_top, n2)
+                if ylo * (m - 1) + rlo + sum_lb <= U + slack
+            ]
+        )
+    return families
+
+
+def _kept(
+    c: SegmentCosts,
+    s: int,
+    layer: Layer,
+    tables: list[_Family],
+    limit: float,
+    must: set[tuple[int, int, int]],
+) -> Layer:
+    """Stage s's segments whose lower bound (the largest over the families) is ≤ limit,
+    and the incumbent's own (``must``); every kept segment's r is asked for now."""
+    inf, m = math.inf, c.m
+    out: Layer = {}
+    for a, row in layer.items():
+        cin, kept = c.cut(s - 1, a), []
+        for b, w, cut, r in row:
+            y, lb = max(w, cut), -inf
+            for t in tables:
+                best = inf
+                for ylo, ycap, rlo, rcap, F, G in t:
+                    fa, g = F[s].get(a), G[s + 1].get(b)
+                    if ycap >= y and rcap >= r and fa is not None and g is not None:
+                        v = fa + w + cut + g + (m - 1) * max(ylo, y, cin) + max(rlo, r)
+                        best = min(best, v)
+                lb = max(lb, best)
+            if r < 0 and lb <= limit:  # first round: one open bucket with rlo = 0
+                r = c.r(s, a, b)
+                lb += r  # the bucket added max(0, -1.0) = 0 for it
+            if lb > limit and (s, a, b) not in must:
+                continue
+            kept.append((b, w, cut, r if r >= 0 else c.r(s, a, b)))
+        if kept:
+            out[a] = kept
+    return out
 
 
 def _trim(c: SegmentCosts, layers: list[Layer]) -> list[Layer]:

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 from planner.plan.schema import Plan
+from planner.plan.text import first_line
 from runtime.checkpoint.safeload import (
     Refused,
     SafeLoadPlanner,
@@ -45,7 +46,13 @@ from runtime.checkpoint.safeload import (
     refusal,
     refused_message,
 )
-from runtime.checkpoint.store import OPTIM_OPTIONS, incomplete_reason, rank_state, read_marker
+from runtime.checkpoint.store import (
+    OPTIM_OPTIONS,
+    STRUCTURAL,
+    incomplete_reason,
+    rank_state,
+    read_marker,
+)
 
 if TYPE_CHECKING:
     from runtime.engine import ParallelModel
@@ -88,26 +95,7 @@ def load(pmodel: ParallelModel, path: str | os.PathLike[str], *, reshard: bool =
             f"checkpoint {path} is not complete: {reason}.\n  fix: resume from "
             "latest_complete(directory), which skips incomplete checkpoints"
         )
-    marker = read_marker(path)
-    plan = pmodel.plan
-    world = dist.get_world_size()
-    if marker["fingerprint"] != plan.fingerprint:
-        raise ValueError(
-            f"checkpoint {path} was saved for another model: fingerprint "
-            f"{marker['fingerprint']} in the checkpoint, {plan.fingerprint} in the running "
-            f"plan ({marker.get('model_file') or 'model file unknown'} then).\n  fix: resume "
-            "with the model it was saved from, or start fresh with another checkpoint directory"
-        )
-    differ = _layout_differences(marker, plan, world)
-    if differ and not reshard:
-        raise ValueError(
-            f"checkpoint {path} was saved with another layout: {'; '.join(differ)}.\n"
-            f"  fix: resume with the plan it was saved with (pp {marker['pp']} × dp "
-            f"{marker['dp']}, split points {marker['split_points']}, {marker['world_size']} "
-            "processes); or load it into this layout by name with reshard=True (`--reshard`: "
-            "weights and optimizer state, not RNG streams); or start fresh with another "
-            "checkpoint directory"
-        )
+    differ = _refusal_or_differences(path, read_marker(path), pmodel.plan, reshard)
     try:
         metadata = read_metadata(path)
     except Refused as exc:
@@ -125,18 +113,10 @@ def load(pmodel: ParallelModel, path: str | os.PathLike[str], *, reshard: bool =
             raise
         raise ValueError(
             f"cannot reshard checkpoint {path} into this layout ({'; '.join(differ)}): "
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}\n  fix: resume "
+            f"{type(exc).__name__}: {first_line(exc)[:300]}\n  fix: resume "
             "with the plan it was saved with"
         ) from exc
-    if pmodel.optimizer is not None:
-        set_optimizer_state_dict(
-            pmodel.stage.module, pmodel.optimizer, state["optim"], options=OPTIM_OPTIONS
-        )
-    if "rng" in state:
-        rng = state["rng"][f"rank{pmodel.mesh.rank}"]
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng:
-            torch.cuda.set_rng_state(rng["cuda"], pmodel.mesh.device)
+    _restore(pmodel, state)
     step = int(state["step"].item())
     log.info(
         "%s resumed from %s (step %d%s)",
@@ -146,6 +126,55 @@ def load(pmodel: ParallelModel, path: str | os.PathLike[str], *, reshard: bool =
         ", resharded" if differ else "",
     )
     return step
+
+
+def _refusal_or_differences(
+    path: Path, marker: dict[str, Any], plan: Plan, reshard: bool
+) -> list[str]:
+    """How the checkpoint's layout differs from this one's (empty: the same).
+
+    Raises:
+        ValueError: it was saved for another model, or for another layout and
+            ``reshard`` is False.
+    """
+    if marker.get("fingerprint_kind") != STRUCTURAL:
+        log.warning(
+            "checkpoint %s identifies its model by a hash this runtime no longer computes "
+            "(it was saved before structural fingerprints): it is checked by its parameters' "
+            "names and shapes only",
+            path,
+        )
+    elif marker["fingerprint"] != plan.fingerprint:
+        raise ValueError(
+            f"checkpoint {path} was saved for another model: fingerprint "
+            f"{marker['fingerprint']} in the checkpoint, {plan.fingerprint} in the running "
+            f"plan ({marker.get('model_file') or 'model file unknown'} then).\n  fix: resume "
+            "with the model it was saved from, or start fresh with another checkpoint directory"
+        )
+    differ = _layout_differences(marker, plan, dist.get_world_size())
+    if differ and not reshard:
+        raise ValueError(
+            f"checkpoint {path} was saved with another layout: {'; '.join(differ)}.\n"
+            f"  fix: resume with the plan it was saved with (pp {marker['pp']} × dp "
+            f"{marker['dp']}, split points {marker['split_points']}, {marker['world_size']} "
+            "processes); or load it into this layout by name with reshard=True (`--reshard`: "
+            "weights and optimizer state, not RNG streams); or start fresh with another "
+            "checkpoint directory"
+        )
+    return differ
+
+
+def _restore(pmodel: ParallelModel, state: dict[str, Any]) -> None:
+    """The loaded optimizer state and RNG state into this rank's objects (weights are in place)."""
+    if pmodel.optimizer is not None:
+        set_optimizer_state_dict(
+            pmodel.stage.module, pmodel.optimizer, state["optim"], options=OPTIM_OPTIONS
+        )
+    if "rng" in state:
+        rng = state["rng"][f"rank{pmodel.mesh.rank}"]
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], pmodel.mesh.device)
 
 
 def _layout_differences(marker: dict[str, Any], plan: Plan, world: int) -> list[str]:

@@ -65,6 +65,7 @@ __all__ = [
     "COMPLETE",
     "FORMAT",
     "OPTIM_OPTIONS",
+    "STRUCTURAL",
     "barrier",
     "checkpoint_path",
     "incomplete_reason",
@@ -81,6 +82,12 @@ COMPLETE = "COMPLETE"
 
 FORMAT = 2
 """Version of the layout above, recorded in the marker (2: with the files' sizes)."""
+
+STRUCTURAL = "structural"
+"""The marker's ``fingerprint_kind`` when its fingerprint is the model's structural one
+(``planner.plan.fingerprint``). Markers without it recorded a hash of the traced graph,
+which nothing computes any more: their model is checked by its parameters' names and
+shapes only (DCP's load matches them)."""
 
 _NAME = re.compile(r"step-(\d{8,})")
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -264,6 +271,7 @@ def _marker(plan: Plan, world_size: int, step: int) -> dict[str, Any]:
         "format": FORMAT,
         "step": step,
         "fingerprint": plan.fingerprint,
+        "fingerprint_kind": STRUCTURAL if plan.fingerprint else None,
         "pp": plan.pp,
         "dp": plan.dp,
         "world_size": world_size,

@@ -1,0 +1,292 @@
+"""The plan's sections: each a typed record of plain numbers and strings.
+
+The model (:class:`ModelInfo`), the cluster (:class:`ClusterRecord`), the
+training (:class:`TrainingPlan`) and layout (:class:`LayoutPlan`), each stage
+(:class:`StagePlan`, its :class:`StageMemory`), the simulation's inputs
+(:class:`StepInputs`), the predicted step (:class:`Predicted`), the solver's
+record and the candidates. :class:`~planner.plan.schema.Plan` holds them; the
+codec (:mod:`planner.plan.codec`) turns each to plain data and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from planner.plan.codec import FIGURE, SAVED_NOT, Record
+
+__all__ = [
+    "Candidate",
+    "ClusterRecord",
+    "DeviceGroup",
+    "LayoutPlan",
+    "LinkRecord",
+    "ModelInfo",
+    "NodeRecord",
+    "Predicted",
+    "SolverRecord",
+    "StageMemory",
+    "StagePlan",
+    "StepInputs",
+    "TrainingPlan",
+]
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo(Record):
+    """Which model the plan is for.
+
+    Attributes:
+        fingerprint: the structural fingerprint (module tree, parameter and
+            buffer names, shapes, dtypes); None in a format 1 or 2 file.
+        file: the model file, for people ("" when planned from Python).
+        parameters: the number of parameters.
+        capture: how the graph was captured ("export" or "symbolic_trace").
+        blocks: blocks in the profile's chain.
+        parameter_shapes: every parameter name (tied ones under each name) and
+            its shape: what the runtime compares to say *what* differs.
+    """
+
+    fingerprint: str | None
+    file: str = ""
+    parameters: int = 0
+    capture: str = ""
+    blocks: int = 0
+    parameter_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- the cluster
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceGroup(Record):
+    """A run of equal devices inside a node: catalogue ``type``, memory, CPU threads."""
+
+    type: str
+    count: int = 1
+    memory_bytes: int
+    threads: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeRecord(Record):
+    """One node: its devices, group by group, in rank order."""
+
+    devices: tuple[DeviceGroup, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkRecord(Record):
+    """Bytes/s per direction and seconds per transfer, inside a node and between nodes."""
+
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    intra_node_latency_s: float
+    inter_node_latency_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterRecord(Record):
+    """The cluster as the plan keeps it: exact units (bytes, bytes/s, seconds).
+
+    ``planner.devices.cluster_file.from_record`` rebuilds the ``Cluster``;
+    people write the other form, a cluster file.
+    """
+
+    name: str
+    backend: str
+    nodes: tuple[NodeRecord, ...]
+    links: LinkRecord
+
+    def device(self, rank: int) -> DeviceGroup | None:
+        """The group that global ``rank`` belongs to (None beyond the last device)."""
+        k = 0
+        for node in self.nodes:
+            for group in node.devices:
+                if rank < k + group.count:
+                    return group
+                k += group.count
+        return None
+
+
+# --------------------------------------------------------------------------- the step
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingPlan(Record):
+    """What one step trains on: the batch, its micro-batching, optimizer, precision, schedule."""
+
+    global_batch: int
+    micro_batches: int
+    micro_batch_size: int
+    optimizer: str
+    precision: str
+    schedule: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutPlan(Record):
+    """Pipeline depth × data-parallel width."""
+
+    pp: int
+    dp: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageMemory(Record):
+    """Predicted peak bytes on one device of a stage, by kind, and the usable capacity.
+
+    See ``planner.cost.stage_memory`` for what each kind holds at the peak.
+    """
+
+    params: float = field(metadata=FIGURE)
+    grads: float = field(metadata=FIGURE)
+    optimizer: float = field(metadata=FIGURE)
+    buffers: float = field(metadata=FIGURE)
+    comm_buffers: float = field(metadata=FIGURE)
+    tied_copies: float = field(metadata=FIGURE)
+    activations: float = field(metadata=FIGURE)
+    total: float = field(metadata=FIGURE)
+    capacity: float = field(metadata=FIGURE)
+
+    @property
+    def state(self) -> float:
+        """Parameters, gradients and optimizer state."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def other(self) -> float:
+        """Buffers, communication buffers and tied copies."""
+        return self.buffers + self.comm_buffers + self.tied_copies
+
+    @property
+    def share(self) -> float:
+        """total / capacity (0 when the capacity is unknown)."""
+        return self.total / self.capacity if 0 < self.capacity < float("inf") else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan(Record):
+    """One pipeline stage.
+
+    Attributes:
+        index: 0 is the first stage.
+        split_point: FQN of the module call the stage begins with ("" for the
+            first stage: it begins with the model's inputs).
+        blocks: [first, end) block indices of the profile's chain.
+        modules: the module calls the stage holds.
+        ranks: the device (cluster rank) running this stage, one per replica.
+        device: the device type.
+        recompute: activations recomputed in backward instead of kept.
+        fwd_ms, bwd_ms: predicted compute per micro-batch (all stages computing).
+        send_ms: predicted transfer per micro-batch to the next stage
+            (activations forward + gradients back).
+        sync_ms: predicted tail of each step: gradient all-reduce (tied copies
+            included), then the optimizer step.
+        memory: predicted peak bytes by kind, and the usable capacity.
+    """
+
+    index: int
+    split_point: str
+    blocks: tuple[int, int]
+    modules: tuple[str, ...]
+    ranks: tuple[int, ...]
+    device: str
+    recompute: bool
+    fwd_ms: float = field(metadata=FIGURE)
+    bwd_ms: float = field(metadata=FIGURE)
+    send_ms: float = field(metadata=FIGURE)
+    sync_ms: float = field(metadata=FIGURE)
+    memory: StageMemory
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepInputs(Record):
+    """What the simulation of one step takes (``planner.cost.simulate``), per stage.
+
+    The plan keeps them so that every report replays the very step it predicts.
+
+    Attributes:
+        schedule, micro_batches: as in the training section.
+        fwd_ms, bwd_ms: one micro-batch's forward / backward, computing alone.
+        link_fwd_ms, link_bwd_ms: per link s → s+1, one micro-batch's
+            activations / gradients.
+        reduce_ms: DDP's gradient all-reduce inside the stage's last backward.
+        tail_ms: after the last backward: the tied weights' exchange and the
+            optimizer step.
+        speed: ``speed[k − 1]``, the rate of each computing stage while k
+            stages compute at once (1.0: as fast as alone).
+        join: groups of stages whose tails start together (they all-reduce
+            the gradients of tied weights).
+    """
+
+    schedule: str
+    micro_batches: int
+    fwd_ms: tuple[float, ...]
+    bwd_ms: tuple[float, ...]
+    link_fwd_ms: tuple[float, ...]
+    link_bwd_ms: tuple[float, ...]
+    reduce_ms: tuple[float, ...]
+    tail_ms: tuple[float, ...]
+    speed: tuple[float, ...]
+    join: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Predicted(Record):
+    """The predicted step: the simulation of ``Plan.step``, and its closed form."""
+
+    step_ms: float
+    closed_form_ms: float
+    samples_per_s: float
+    bubble_fraction: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate(Record):
+    """A configuration the search considered.
+
+    ``status``: "chosen", "slower" (solved, lost on time), "out_of_memory"
+    (no placement fits), "pruned" (a lower bound already lost), "timeout".
+    ``reason`` says why in words.
+    """
+
+    pp: int
+    dp: int
+    micro_batches: int
+    schedule: str
+    step_ms: float | None = field(metadata=FIGURE)
+    status: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverRecord(Record):
+    """How the chosen placement was found and how sure we are of it.
+
+    Attributes:
+        name: "highs" or "cbc".
+        status: "optimal" (proven), "time_limit" (the limit stopped the solver;
+            the best placement found by then) or "heuristic" (the solver ended
+            otherwise without a better placement; the heuristic's).
+        gap: (step − bound) / step, the most the placement can be off optimal.
+        bound_ms: the proven lower bound on the step time.
+        solve_s: wall seconds of the chosen configuration's solve, for this
+            run only: never saved, so that the same inputs give the same file
+            (None once loaded, except from a version 1 file).
+        time_limit_s: the limit per solve.
+        n_segments: binaries in the ILP after pruning.
+        note: e.g. how the ILP's placement was refined by simulation.
+    """
+
+    name: str
+    status: str
+    gap: float | None = field(metadata=FIGURE)
+    bound_ms: float | None = field(metadata=FIGURE)
+    solve_s: float | None = field(default=None, metadata=SAVED_NOT)
+    time_limit_s: float | None
+    n_segments: int
+    note: str = ""
