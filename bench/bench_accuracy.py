@@ -19,7 +19,7 @@
    when all ran it at once, just before the steps ("co-run x"; the cost model
    assumes ``CPU_CORUN_SLOWDOWN`` with 2 processes, time-slicing beyond).
 2. **Plan quality**, measured: with pp = 2, our plan against the uniform split
-   (equal blocks per stage, ``planner.baselines.uniform``; same m and
+   (equal blocks per stage, ``planner.search.baselines.uniform``; same m and
    micro-batch) for the imbalanced examples (GPT with a 16k vocabulary, the
    residual CNN), both in the same two processes, stepping in turn: the
    step-time ratio uniform / ours, measured and predicted.

@@ -41,7 +41,7 @@ _PLAN_PROFILE = ("repeats", "warmup", "target_blocks", "cache")  # profile knobs
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``planner`` console script."""
-    parser = _parser()
+    parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if ns.verbose else logging.WARNING,
@@ -83,7 +83,8 @@ def _print_error(message: str, cause: BaseException | None, verbose: bool) -> No
         print("(run with -v for the original traceback)", file=sys.stderr)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The `planner` command line, every subcommand."""
     parser = argparse.ArgumentParser(
         prog="planner",
         description="Automatic pipeline + data-parallel partitioning for PyTorch models.",

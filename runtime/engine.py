@@ -128,7 +128,7 @@ class ParallelModel:
             sample: ``(args, kwargs)`` of the forward: one micro-batch, or a
                 larger batch whose first ``plan.micro_batch_size`` samples are used.
             backend: "nccl" or "gloo" (default: nccl with CUDA, else gloo).
-            split: "auto", "pipeline" or "fx" (see ``runtime.stages``).
+            split: "auto", "pipeline" or "fx" (see ``runtime.split``).
             timeout_s: how long a collective waits on a peer before failing.
 
         Raises:

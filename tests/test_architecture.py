@@ -18,8 +18,8 @@ from pathlib import Path
 
 import networkx as nx
 import pytest
+from repo import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("planner", "runtime")
 
 MAX_FILE_LINES = 400

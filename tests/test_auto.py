@@ -1,7 +1,7 @@
 """``auto_parallel`` (planner/auto.py): plans for the job's processes; the losses of one process.
 
 One process (no torchrun): a pp = dp = 1 plan, micro-batching only. Two
-processes (tests/_dist.py sets torchrun's variables): rank 0 plans for 2 local
+processes (tests/world.py sets torchrun's variables): rank 0 plans for 2 local
 devices (pp × dp = 2) and broadcasts the plan; every rank builds the same
 placement; its errors reach every rank. Both train 2 steps and must give the
 losses of the plain model trained in this process.
@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import run_world
+from repo import EXAMPLES
 from torch import nn
+from world import run_world
 
 from planner.plan.modelfile import load_model_file
 
-MLP = Path(__file__).resolve().parents[1] / "examples" / "mlp.py"
+MLP = EXAMPLES / "mlp.py"
 BATCH = 8
 STEPS = 2
 FAST = {"repeats": 1, "warmup": 0}  # profiling rounds: enough for a plan in a test

@@ -14,14 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from repo import ROOT
 
 # bench/ is a package of the repository, not of the installed distribution.
-ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import bench.__main__ as orchestrator  # noqa: E402  (needs the path above)
-from bench import bench_plan, bench_scaling  # noqa: E402
+
+import bench.__main__ as orchestrator
+from bench import bench_plan, bench_scaling
 
 
 def _row(

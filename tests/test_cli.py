@@ -5,18 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from repo import ROOT
 
 from planner.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(autouse=True)
-def _cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
+def _empty_cache(cache_dir):
+    """Every test plans into an empty profile cache."""
 
 
 def test_profile_prints_the_table_ties_and_check_line(capsys) -> None:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from repo import EXAMPLES
 from torch import nn
 
 from planner.plan.modelfile import ModelFile, load_model_file
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NAMES = ("mlp", "gpt", "resnet", "unet")
 
 

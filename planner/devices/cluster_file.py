@@ -157,7 +157,7 @@ class _Parser:
                 raise self.error(
                     f"{path}.{key}",
                     f"unknown key {key!r}; allowed here: {', '.join(allowed)} "
-                    f"(check the spelling; the format is in planner/cluster_file.py)",
+                    f"(check the spelling; the format is in planner/devices/cluster_file.py)",
                 )
         return value
 

@@ -34,7 +34,7 @@ arbitrary objects (item 27): tensors and the few non-tensor values (optimizer
 hyper-parameters) are read with ``torch.load(weights_only=True)``, and DCP's
 index (``.metadata``, a plain pickle that DCP itself reads with ``pickle.load``)
 through an unpickler that accepts DCP's own metadata classes and nothing else
-(``runtime.safeload``). A checkpoint holding any other pickled object is
+(``runtime.checkpoint.safeload``). A checkpoint holding any other pickled object is
 refused, before it can run.
 """
 

@@ -8,12 +8,11 @@ import sys
 from pathlib import Path
 
 import torch
+from repo import ROOT
 from torch import nn
 
 from planner.plan.fingerprint import describe_mismatch, fingerprint, parameter_shapes
 from planner.plan.modelfile import load_model_file
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _mlp(width: int = 8) -> nn.Sequential:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_runtime_launch import RUN_TIMEOUT_S, listening_addresses, planner_command
+from runs import RUN_TIMEOUT_S, alive, listening_addresses, planner_command, sockets
 
 from planner.devices import from_gpus
 from planner.options import PlanOptions, SearchOptions, Training
@@ -181,33 +181,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp
 
 
-def _alive(token: str) -> list[int]:
-    """Processes still running with FAULT_TOKEN=token in their environment."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            env = (proc / "environ").read_bytes()
-        except OSError:
-            continue
-        if f"FAULT_TOKEN={token}".encode() in env.split(b"\0"):
-            found.append(int(proc.name))
-    return found
-
-
-def _sockets(pids: list[int]) -> set[int]:
-    """The inodes of the sockets these processes hold open."""
-    inodes = set()
-    for pid in pids:
-        try:
-            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
-        except OSError:
-            continue
-        inodes |= {int(x[8:-1]) for x in links if x.startswith("socket:[")}
-    return inodes
-
-
 def _fault_run(
     tmp: Path,
     fault: str,
@@ -252,7 +225,7 @@ def _fault_run(
         "out": log.read_text(),
         "seconds": seconds,
         "after": after,
-        "alive": _alive(token),
+        "alive": alive(token),
         "during": seen,
     }
 
@@ -334,7 +307,7 @@ def test_a_rank_that_stops_answering_is_given_up_after_the_timeout(setup: Path) 
 
 def _listening(token: str) -> list[str]:
     """The local addresses of the listening sockets of the run's processes (its agent, workers)."""
-    return listening_addresses(inodes=_sockets(_alive(token)))
+    return listening_addresses(inodes=sockets(alive(token)))
 
 
 @pytest.fixture(scope="module")

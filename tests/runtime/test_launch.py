@@ -1,4 +1,4 @@
-"""``planner run`` end to end (runtime/launch.py, runtime/measure.py): 2 workers through torchrun.
+"""``planner run`` end to end (runtime/launch.py, runtime/measure/): 2 workers through torchrun.
 
 The MLP example (32 input features) planned for 2 local CPU devices (pp = 2,
 2 micro-batches) trains 4 steps with checkpoints every 2 steps and a
@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from repo import ROOT
+from runs import RUN_TIMEOUT_S, listening_addresses, planner_run
 
 from planner.devices import from_gpus
 from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
@@ -30,38 +28,9 @@ from planner.plan import save_plan
 from planner.plan.modelfile import load_model_file
 from planner.planning import plan_model
 
-ROOT = Path(__file__).resolve().parents[1]
 MLP = ROOT / "examples" / "mlp.py"
-RUN_TIMEOUT_S = 120
 
 pytestmark = pytest.mark.multiprocess
-
-# `planner run`, whether or not planner/cli.py has it wired yet.
-_RUN = (
-    "import argparse, sys\n"
-    "from runtime.launch import add_run_parser\n"
-    "p = argparse.ArgumentParser(prog='planner')\n"
-    "add_run_parser(p.add_subparsers())\n"
-    "ns = p.parse_args(sys.argv[1:])\n"
-    "sys.exit(ns.func(ns))\n"
-)
-
-
-def planner_command(args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of ``planner run ARGS``."""
-    wired = "add_run_parser" in (ROOT / "planner" / "cli.py").read_text()
-    head = ["-m", "planner", "run"] if wired else ["-c", _RUN, "run"]
-    return [sys.executable, *head, *args], {**os.environ, "PYTHONPATH": str(ROOT), **env}
-
-
-def planner_run(args: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, float]:
-    """Run ``planner run ARGS``; returns (exit status, stdout + stderr, seconds)."""
-    cmd, full_env = planner_command(args, env)
-    start = time.monotonic()
-    proc = subprocess.run(
-        cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-    )
-    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
 @pytest.fixture(scope="module")
@@ -221,26 +190,3 @@ def _free_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def listening_addresses(port: int | None = None, inodes: set[int] | None = None) -> list[str]:
-    """Local addresses of this machine's listening TCP sockets (of ``port``, or these inodes)."""
-    import ipaddress
-
-    found = []
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A":  # LISTEN
-                continue
-            hexaddr, hexport = fields[1].split(":")
-            if port is not None and int(hexport, 16) != port:
-                continue
-            if inodes is not None and int(fields[9]) not in inodes:
-                continue
-            raw = bytes.fromhex(hexaddr)  # 32-bit words in host (little-endian) order
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            ip = ipaddress.ip_address(raw) if v6 else ipaddress.IPv4Address(raw)
-            mapped = getattr(ip, "ipv4_mapped", None)
-            found.append(str(mapped or ip))
-    return sorted(found)

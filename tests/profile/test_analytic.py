@@ -1,4 +1,4 @@
-"""Tests for planner.opcost: FLOPs, bytes and roofline time of aten ops."""
+"""Tests for planner.profile.analytic: FLOPs, bytes and roofline time of aten ops."""
 
 from __future__ import annotations
 

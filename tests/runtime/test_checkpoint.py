@@ -1,4 +1,4 @@
-"""Checkpoints (runtime/checkpoint.py): exact resume, incomplete checkpoints skipped, refusals.
+"""Checkpoints (runtime/checkpoint/): exact resume, incomplete checkpoints skipped, refusals.
 
 Two 2-process worlds (pp = 2, gloo on CPU), run one after the other as two
 separate jobs, so the resume happens in new processes with a new process group:
@@ -38,8 +38,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import run_world
 from torch import nn
+from world import run_world
 
 from planner.devices import from_gpus
 from planner.options import PlanOptions, SearchOptions, Training

@@ -1,81 +1,24 @@
-"""Plans: planning a small model end to end, saving, loading, validating."""
+"""Plan files: saving, loading, validating, the older formats (planner.plan.files, schema)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
 import yaml
-from torch import nn
+from models import tower_plan
 
-from planner.devices import from_gpus
-from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
 from planner.plan import Plan, PlanError, load_plan, save_plan
-from planner.planning import plan_model
 
 
 @pytest.fixture(autouse=True)
-def _cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
-
-
-class Tower(nn.Module):
-    """An embedding, uneven layers and a tied head: the first and last stages are heavy."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(512, 64)
-        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
-        self.head = nn.Linear(64, 512, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.emb(idx)
-        for layer in self.layers:
-            h = h + torch.relu(layer(h))
-        return self.head(h)
-
-
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-
-def _plan(devices: int = 4, **search) -> Plan:
-    torch.manual_seed(0)
-    idx = torch.randint(0, 512, (16, 8))
-    return plan_model(
-        Tower(),
-        (idx, idx),
-        cluster=from_gpus(devices, "h100"),
-        loss_fn=_loss,
-        options=PlanOptions(
-            training=Training(global_batch=16),
-            search=SearchOptions(**search),
-            profile=ProfileOptions(repeats=1, warmup=0),
-        ),
-        model_file="tower.py",
-    )
+def _empty_cache(cache_dir):
+    """Every test plans into an empty profile cache."""
 
 
 @pytest.fixture(scope="module")
 def plan() -> Plan:
-    return _plan(pp=2)
-
-
-def test_plan_has_stages_ranks_and_a_proof(plan: Plan) -> None:
-    assert plan.pp == 2 and plan.dp == 2 and len(plan.stages) == 2
-    assert plan.global_batch == plan.dp * plan.micro_batches * plan.micro_batch_size
-    assert plan.stages[0].split_point == "" and plan.stages[1].split_point
-    assert sorted(r for s in plan.stages for r in s.ranks) == [0, 1, 2, 3]
-    assert plan.solver.status == "optimal" and plan.solver.gap == 0
-    assert plan.candidates and plan.candidates[0].status == "chosen"
-    assert plan.predicted.step_ms > 0
-    assert plan.model.file == "tower.py" and len(plan.model.fingerprint or "") == 16
-    # The head shares the embedding's weight: the stage without the owner pays for a copy.
-    assert plan.stages[1].memory.tied_copies > 0
-    assert plan.profiles and plan.profiles[0].tied
+    return tower_plan(pp=2)
 
 
 def test_save_and_load_round_trip(plan: Plan, tmp_path: Path) -> None:
@@ -195,19 +138,6 @@ def test_missing_or_non_mapping_files(tmp_path: Path) -> None:
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(PlanError, match="plan: expected a mapping"):
         Plan.from_dict(yaml.safe_load((tmp_path / "list.yaml").read_text()))
-
-
-def test_same_inputs_give_the_same_placement() -> None:
-    a, b = _plan(pp=2), _plan(pp=2)
-    assert [s.blocks for s in a.stages] == [s.blocks for s in b.stages]
-    assert a.micro_batches == b.micro_batches and a.schedule == b.schedule
-
-
-def test_same_inputs_give_byte_identical_files(tmp_path: Path) -> None:
-    # [Note: reproducible plan files]; the search is free here (pp unpinned).
-    first = save_plan(_plan(), tmp_path / "a.yaml").read_bytes()
-    second = save_plan(_plan(), tmp_path / "b.yaml").read_bytes()
-    assert first == second
 
 
 def test_save_failure_is_a_plan_error_and_leaves_nothing(plan: Plan, tmp_path: Path) -> None:

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from repo import EXAMPLES
 from torch import nn
 
 from planner.capture import capture
 from planner.capture.blocks import build_blocks
 from planner.capture.subgraph import extract
 from planner.plan.modelfile import load_model_file
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 class Skip(nn.Module):

@@ -1,6 +1,6 @@
 """The runtime's transparency: a planned, pipelined (× data-parallel) model trains like one process.
 
-Multi-process on CPU with gloo (tests/_dist.py: spawned ranks, hard timeouts).
+Multi-process on CPU with gloo (tests/world.py: spawned ranks, hard timeouts).
 Every case trains the pipelined model and a deep-copied single-process
 reference for 3 optimizer steps on the same global batches with the same mean
 loss, and requires every step's loss (on every rank) and every parameter and
@@ -25,23 +25,21 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import WorldFailed, run_world
+from small_examples import batch, build, loss_for
 from torch import nn
+from world import run_world
 
 from planner.devices import from_gpus
 from planner.options import PlanOptions, SearchOptions, Training
 from planner.plan import Plan, load_plan, save_plan
-from planner.plan.modelfile import load_model_file
 from planner.planning import plan_model
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 STEPS = 3
 BATCH = 8
 RTOL, ATOL = 1e-4, 1e-5
@@ -93,67 +91,6 @@ WORLD4 = [
 ]
 
 
-@torch.fx.wrap
-def _gate(x: torch.Tensor) -> torch.Tensor:
-    # Data-dependent Python control flow: torch.export refuses it; symbolic_trace keeps the
-    # wrapped function as one call, run eagerly. (Always true for finite x, so a
-    # micro-batch takes the same branch as the whole batch.)
-    return x * 2.0 if bool(torch.isfinite(x).all()) else x
-
-
-class Branchy(nn.Module):
-    """A model pipeline() (torch.export) cannot split: the runtime must fall back to fx."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc0 = nn.Linear(32, 64)
-        self.fc1 = nn.Linear(64, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = _gate(self.fc1(torch.relu(self.fc0(x))))
-        return self.fc2(torch.relu(h))
-
-
-def _module(name: str) -> Any:
-    return load_model_file(EXAMPLES / f"{name}.py").module
-
-
-def _build(name: str) -> nn.Module:
-    if name == "branchy":
-        return Branchy()
-    mod = _module(name)
-    if name == "unet":
-        return mod.build_model(depth=2, width=4, n_classes=4)
-    if name == "mlp":
-        return mod.build_model(in_features=32)
-    if name == "resnet":
-        return mod.build_model(width=4, blocks=1)
-    # No biases: the key projection's bias has an exactly-zero true gradient (softmax is
-    # shift-invariant), so Adam would turn rounding noise into full-size, unequal updates.
-    return mod.build_model(
-        n_layers=2, dim=64, n_heads=4, seq_len=16, vocab_size=512, dropout=0.0, bias=False
-    )
-
-
-def _batch(name: str, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + seed)
-    if name in ("mlp", "branchy"):
-        return torch.randn(size, 32, generator=gen), torch.randint(0, 10, (size,), generator=gen)
-    if name == "unet":
-        x = torch.randn(size, 3, 8, 8, generator=gen)
-        return x, torch.randint(0, 4, (size, 8, 8), generator=gen)
-    if name == "resnet":
-        x = torch.randn(size, 3, 8, 8, generator=gen)
-        return x, torch.randint(0, 10, (size,), generator=gen)
-    tokens = torch.randint(0, 512, (size, 17), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def _loss(name: str) -> Any:
-    return _module("gpt").loss_fn if name == "gpt" else F.cross_entropy
-
-
 def _optimizer(kind: str) -> Any:
     if kind == "adam":
         # Adam's step is about lr for ANY gradient above eps, so a near-zero gradient whose
@@ -166,11 +103,11 @@ def _optimizer(kind: str) -> Any:
 def _model(case: Case) -> nn.Module:
     """The case's model, seeded; BatchNorm in eval mode when the case says so.
 
-    The mode is part of the fingerprint (eval-mode BN is another graph), so the
-    plan is made from the model in the same mode.
+    The plan is made from the model in the same mode (eval-mode BN traces another
+    graph, and so profiles another way).
     """
     torch.manual_seed(0)
-    model = _build(case.model)
+    model = build(case.model)
     if case.bn_eval:
         for mod in model.modules():
             if isinstance(mod, nn.BatchNorm2d):
@@ -179,12 +116,12 @@ def _model(case: Case) -> nn.Module:
 
 
 def _plan(case: Case) -> Plan:
-    x, y = _batch(case.model, BATCH, 0)
+    x, y = batch(case.model, BATCH, 0)
     return plan_model(
         _model(case),
         (x, y),
         cluster=from_gpus(case.pp * case.dp, "h100"),
-        loss_fn=_loss(case.model),
+        loss_fn=loss_for(case.model),
         options=PlanOptions(
             training=Training(global_batch=BATCH, optimizer=case.optimizer),
             search=SearchOptions(
@@ -209,11 +146,11 @@ def _worker(cases: list[Case]) -> dict[str, dict[str, Any]]:
         plan = load_plan(case.plan_path)
         model = _model(case)
         reference = copy.deepcopy(model)
-        batches = [_batch(case.model, BATCH, k) for k in range(STEPS)]
+        batches = [batch(case.model, BATCH, k) for k in range(STEPS)]
         pm = ParallelModel.from_plan(
             model,
             plan,
-            loss_fn=_loss(case.model),
+            loss_fn=loss_for(case.model),
             optimizer=_optimizer(case.optimizer),
             sample=((batches[0][0],), {}),
             split=case.split,
@@ -269,7 +206,7 @@ def _bad_batch(pm: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> str:
 def _reference(
     case: Case, reference: nn.Module, batches: list[Any], full: dict[str, Any], copies: Any
 ) -> dict[str, Any]:
-    loss_fn = _loss(case.model)
+    loss_fn = loss_for(case.model)
     opt = _optimizer(case.optimizer)(reference.parameters())
     ref_losses = []
     for x, y in batches:
@@ -318,11 +255,11 @@ def _world3_worker(mlp_pp2_plan: str, cases: list[Case]) -> dict[str, Any]:
     from runtime.checks import PlanMismatch
     from runtime.engine import ParallelModel
 
-    x, _ = _batch("mlp", BATCH, 0)
+    x, _ = batch("mlp", BATCH, 0)
     started = time.monotonic()
     try:
         ParallelModel.from_plan(
-            _build("mlp"),
+            build("mlp"),
             load_plan(mlp_pp2_plan),
             loss_fn=F.cross_entropy,
             optimizer=_optimizer("sgd"),
@@ -444,90 +381,3 @@ def test_wrong_world_size_is_refused_on_every_rank(world3: list[dict[str, Any]])
     (msg,) = messages
     assert "world size 3" in msg and "torchrun --nproc-per-node 2" in msg, msg
     assert all(res["refused_s"] < 30 for res in world3)  # no rank waited on a peer
-
-
-# --------------------------------------------------------------------------- in one process
-
-
-def test_changed_model_is_refused_saying_what_differs(plans_dir: Path) -> None:
-    from runtime.checks import PlanMismatch, check_plan
-
-    case = Case("mlp", "mlp")
-    plan = _plan(case)
-    check_plan(plan, _build("mlp"), world_size=2)  # the same model passes
-    wider = _module("mlp").build_model(in_features=32, scale=2)
-    with pytest.raises(PlanMismatch, match=r"parameter\(s\) have other shapes: fc0.weight"):
-        check_plan(plan, wider, world_size=2)
-    fewer = _build("mlp")
-    del fewer.fc4  # the last Linear: 10 classes become 128 outputs
-    with pytest.raises(PlanMismatch, match=r"2 parameter\(s\) in the plan are missing"):
-        check_plan(plan, fewer, world_size=2)
-    other_act = _build("mlp")
-    other_act.act1 = nn.GELU()  # same parameters, another graph
-    with pytest.raises(PlanMismatch, match="so the module tree"):
-        check_plan(plan, other_act, world_size=2)
-    with pytest.raises(PlanMismatch, match="torchrun --nproc-per-node 2"):
-        check_plan(plan, _build("mlp"), world_size=4)
-
-
-def test_pipeline_splits_at_the_first_call_of_a_module_called_twice() -> None:
-    from runtime.split.pipeline import split_pipeline
-    from runtime.split.used import used_tensors
-
-    torch.manual_seed(0)
-    model = _build("resnet").eval()
-    x, _ = _batch("resnet", 2, 0)
-    # BasicBlock applies `relu` twice; the split point is its first call.
-    pipe = split_pipeline(model, ["stages.2.0.relu"], ((x,), {}))
-    assert pipe.num_stages == 2
-    assert "forward" not in model.get_submodule("stages.2.0.relu").__dict__
-    with torch.no_grad():
-        torch.testing.assert_close(pipe(x)[0], model(x))
-    kept = [used_tensors(pipe.get_stage_module(i)) for i in range(2)]
-    assert "stages.2.0.conv1.0.weight" in kept[0] and "fc.weight" in kept[1]
-
-
-def test_pipeline_stage_keeps_only_what_it_reads() -> None:
-    from runtime.split.pipeline import split_pipeline
-    from runtime.split.used import used_tensors
-
-    torch.manual_seed(0)
-    gpt = _build("gpt")
-    x, _ = _batch("gpt", 2, 0)
-    pipe = split_pipeline(gpt, ["blocks.1"], ((x,), {}))
-    first, last = (pipe.get_stage_module(i) for i in range(2))
-    # pipeline() leaves the untouched original head.weight in stage 0 beside its copy.
-    assert "head.weight" in dict(first.named_parameters())
-    assert "head.weight" not in used_tensors(first)
-    assert {"tok_emb.weight"} <= used_tensors(first) and "head.weight" in used_tensors(last)
-
-
-def test_fx_split_passes_long_skips_along_the_chain() -> None:
-    from runtime.split import split_model
-
-    torch.manual_seed(0)
-    unet = _build("unet").eval()
-    x, _ = _batch("unet", 2, 0)
-    mods, shapes = split_model(unet, ["down.1", "up.0"], ((x,), {}))
-    with torch.no_grad():
-        out = mods[2](*mods[1](*mods[0](x)))
-        torch.testing.assert_close(out, unet(x))
-    # Stage 1 receives the main path and down.0's skip; stage 2 also down.1's skip.
-    assert len(shapes[1][0]) == 2 and len(shapes[2][0]) == 3
-
-
-def _one_rank_raises() -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    if dist.get_rank() == 1:
-        raise RuntimeError("injected failure on rank 1")
-    dist.barrier()  # rank 0 waits here for a peer that never comes
-
-
-@pytest.mark.timeout(90)
-def test_a_failing_rank_fails_the_test_with_its_traceback_and_nothing_hangs() -> None:
-    start = time.monotonic()
-    with pytest.raises(WorldFailed, match="injected failure on rank 1"):
-        run_world(_one_rank_raises, 2, timeout_s=60, grace_s=3)
-    assert time.monotonic() - start < 45

@@ -112,7 +112,7 @@ def test_state_bytes_per_parameter() -> None:
 
 # The profile's blocks: 1 Mi fp32 parameters (4 MiB), 8 MiB saved, 1 MiB output,
 # 2 MiB crossing each split; 0.5 MiB input. H100s: Adam's foreach temporaries are
-# 4 B per parameter. See [Note: the memory peak] in planner/cost.py.
+# 4 B per parameter. See [Note: the memory peak] in planner/cost/stage_memory.py.
 
 
 def test_memory_peak_gpipe_first_backward() -> None:

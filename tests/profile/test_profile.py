@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from models import Net, model_state
+from repo import EXAMPLES
 from torch import nn
 
 from planner import cache
@@ -19,36 +20,8 @@ FAST = ProfileOptions(repeats=1, warmup=0, cache=False)
 
 
 @pytest.fixture(autouse=True)
-def _cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
-
-
-class Net(nn.Module):
-    """BatchNorm (running statistics), dropout (RNG) and a skip connection."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, 32)
-        self.bn = nn.BatchNorm1d(32)
-        self.drop = nn.Dropout(0.5)
-        self.mid = nn.Linear(32, 32)
-        self.out = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        y = self.mid(self.drop(torch.relu(self.bn(h))))
-        return self.out(y + h)
-
-
-def _state(model: nn.Module) -> dict:
-    return {
-        "tensors": {k: v.clone() for k, v in model.state_dict().items()},
-        "grads": {
-            k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()
-        },
-        "training": [m.training for m in model.modules()],
-        "rng": torch.get_rng_state(),
-    }
+def _empty_cache(cache_dir):
+    """Every test profiles into an empty cache."""
 
 
 def test_profiling_leaves_the_model_unchanged() -> None:
@@ -56,9 +29,9 @@ def test_profiling_leaves_the_model_unchanged() -> None:
     model = Net().train()
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     model(x).sum().backward()  # some existing .grad to keep
-    before = _state(model)
+    before = model_state(model)
     prof = profile_model(model, (x,), targets=y, loss_fn=F.cross_entropy, options=FAST)
-    after = _state(model)
+    after = model_state(model)
     assert prof.blocks
     for k, v in before["tensors"].items():
         assert torch.equal(v, after["tensors"][k]), k  # BN statistics included
@@ -188,7 +161,7 @@ def test_unknown_device_type_lists_the_catalogue() -> None:
 
 
 def test_examples_profile_dir_exists() -> None:
-    assert (Path(__file__).resolve().parent.parent / "examples" / "gpt.py").exists()
+    assert (EXAMPLES / "gpt.py").exists()
 
 
 def test_loaded_rounds_are_left_out() -> None:

@@ -1,4 +1,4 @@
-"""Checkpoint files as untrusted data (runtime/safeload.py, checkpoint.py): in one process.
+"""Checkpoint files as untrusted data (runtime/checkpoint/safeload.py, store.py): in one process.
 
 DCP writes and reads here without a process group. A real index and the
 optimizer's hyper-parameters load through the safe readers; an index holding

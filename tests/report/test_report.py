@@ -8,9 +8,9 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from repo import ROOT
 from rich.console import Console
 
 from planner.cost import closed_form
@@ -286,7 +286,7 @@ def test_a_saved_plan_renders_as_the_fresh_one(tmp_path):
 
 def test_report_does_not_import_torch():
     code = "import sys, planner.report; print('torch' in sys.modules)"
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

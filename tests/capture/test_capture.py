@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.fx
+from repo import EXAMPLES
 from torch import nn
 
 from planner.capture import CaptureError, TensorInfo, capture
 from planner.plan.modelfile import load_model_file
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "resnet", "unet"])

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 60, 20
 RSS_GROWTH_MIB = 32.0  # per rank, step 20 → 60 (measured: -2 to +4 MiB)
 WALL_S = 120.0  # the run itself (measured: ~15 s on 2 shared CPU cores)

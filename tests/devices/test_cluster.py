@@ -1,12 +1,11 @@
-"""Tests for planner.devices: clusters (devices, nodes, links) and the cluster file format."""
+"""Tests for planner.devices.cluster and build: devices, nodes, links, from_gpus."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
-import yaml
+from repo import CLUSTERS
 
 from planner.devices import build
 from planner.devices.build import from_gpus
@@ -19,12 +18,11 @@ from planner.devices.cluster import (
     Cluster,
     ClusterDevice,
 )
-from planner.devices.cluster_file import from_record, load_cluster, parse_cluster
+from planner.devices.cluster_file import load_cluster, parse_cluster
 from planner.devices.local import get_device, local_cpu
-from planner.plan.codec import encode
 
 GIB = 2**30
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "clusters"
+EXAMPLES = CLUSTERS  # the cluster files among the examples
 
 
 def _cores() -> int:
@@ -210,173 +208,6 @@ def test_allreduce_time_is_the_ring_formula(two_nodes):
         c.allreduce_time([], size)
     with pytest.raises(ValueError, match="rank 9"):
         c.allreduce_time([0, 9], size)
-
-
-# --- plan-file round trip ----------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: load_cluster(EXAMPLES / "2x8xh100.yaml"),
-        lambda: load_cluster(EXAMPLES / "mixed-a100-v100.yaml"),
-        lambda: from_gpus(3, "a100", memory_gib=33.3),
-        lambda: from_gpus(2, "cpu"),
-        lambda: parse_cluster({"nodes": [{"type": "l4", "count": 3}, {"type": "l4"}]}),
-    ],
-)
-def test_record_round_trip(make):
-    c = make()
-    data = encode(c.to_record())
-    assert list(data) == ["name", "backend", "nodes", "links"]
-    text = yaml.safe_dump(data, sort_keys=False)
-    assert yaml.safe_dump(encode(make().to_record()), sort_keys=False) == text  # deterministic
-    back = from_record(yaml.safe_load(text))
-    assert back == c and hash(back) == hash(c)
-    assert yaml.safe_dump(encode(back.to_record()), sort_keys=False) == text
-
-
-def test_record_groups_equal_devices():
-    data = encode(load_cluster(EXAMPLES / "mixed-a100-v100.yaml").to_record())
-    assert data["nodes"] == [
-        {
-            "devices": [
-                {"type": "a100-80gb", "count": 4, "memory_bytes": 80 * GIB, "threads": 0},
-                {
-                    "type": "v100-32gb",
-                    "count": 4,
-                    "memory_bytes": get_device("v100-32gb").memory_bytes,
-                    "threads": 0,
-                },
-            ]
-        }
-    ]
-    assert data["links"]["intra_node_bandwidth"] == 16e9
-
-
-@pytest.mark.parametrize(
-    ("change", "match"),
-    [
-        (lambda d: d.update(backend="gloo"), r"cluster\.backend: 'gloo' does not fit"),
-        (lambda d: d["nodes"][0].update(type="h100"), r"cluster\.nodes\[0\]\.type: unknown key"),
-        (lambda d: d["links"].update(intra_node_gbs=1), r"cluster\.links\.intra_node_gbs"),
-        (
-            lambda d: d["nodes"][1]["devices"][0].update(threads=2),
-            r"cluster\.nodes\[1\]\.devices\[0\]\.threads: only CPU",
-        ),
-    ],
-)
-def test_record_errors_name_the_key_path(change, match):
-    data = encode(from_gpus(16, "h100").to_record())
-    change(data)
-    with pytest.raises(ValueError, match=match):
-        from_record(data)
-
-
-# --- cluster-file validation -------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("text", "match"),
-    [
-        ("", r"cluster\.nodes: the cluster is empty.*add e\.g\."),
-        ("nodes: []", r"cluster\.nodes: the cluster is empty"),
-        ("- type: h100", r"cluster: expected a mapping"),
-        ("nodes: {type: h100}", r"cluster\.nodes: must be a list"),
-        (
-            "nodez: []",
-            r"cluster\.nodez: unknown key 'nodez'; allowed here: name, nodes, links",
-        ),
-        (
-            "nodes: [{type: h100, cuont: 8}]",
-            r"cluster\.nodes\[0\]\.cuont: unknown key 'cuont'; allowed here: type, count, "
-            r"memory_gib, threads, repeat",
-        ),
-        (
-            "nodes: [{type: h100}, {devices: [{type: h100, repeat: 2}]}]",
-            r"cluster\.nodes\[1\]\.devices\[0\]\.repeat: unknown key 'repeat'",
-        ),
-        (
-            "nodes: [{type: h100}, {devices: [{type: h1000}]}]",
-            r"cluster\.nodes\[1\]\.devices\[0\]\.type: unknown device type 'h1000'.*known: "
-            r"a100-40gb, .*h100",
-        ),
-        ("nodes: [{count: 8}]", r"cluster\.nodes\[0\]: no 'type:' key.*one of a100-40gb"),
-        ("nodes: [{type: h100, count: 0}]", r"cluster\.nodes\[0\]\.count: must be a whole"),
-        ("nodes: [{type: h100, count: 2.5}]", r"cluster\.nodes\[0\]\.count: must be a whole"),
-        ("nodes: [{type: h100, repeat: -1}]", r"cluster\.nodes\[0\]\.repeat: must be a whole"),
-        ("nodes: [{devices: []}]", r"cluster\.nodes\[0\]\.devices: must be a non-empty list"),
-        (
-            "nodes: [{type: h100, devices: [{type: h100}]}]",
-            r"cluster\.nodes\[0\]: has both 'type:' and 'devices:'",
-        ),
-        (
-            "nodes: [{type: h100, memory_gib: 0}]",
-            r"cluster\.nodes\[0\]\.memory_gib: must be a positive number, got 0",
-        ),
-        (
-            "nodes: [{type: h100}]\nlinks: {intra_node_gbs: -5}",
-            r"cluster\.links\.intra_node_gbs: must be a positive number, got -5",
-        ),
-        (
-            "nodes: [{type: h100}]\nlinks: {inter_node_gbs: 0}",
-            r"cluster\.links\.inter_node_gbs: must be a positive number",
-        ),
-        (
-            "nodes: [{type: h100}]\nlinks: {inter_node_latency_us: -1}",
-            r"cluster\.links\.inter_node_latency_us: must be a number >= 0",
-        ),
-        (
-            "nodes: [{type: h100}]\nlinks: {intra_node_gbps: 5}",
-            r"cluster\.links\.intra_node_gbps: unknown key.*allowed here: intra_node_gbs",
-        ),
-        (
-            "nodes: [{type: h100, threads: 4}]",
-            r"cluster\.nodes\[0\]\.threads: only CPU devices have threads",
-        ),
-        (
-            "nodes: [{type: h100}, {devices: [{type: h100}, {type: cpu}]}]",
-            r"cluster\.nodes\[1\]\.devices\[1\]\.type: a CPU device, but "
-            r"cluster\.nodes\[0\]\.type is a GPU.*one backend",
-        ),
-        ("name: ''\nnodes: [{type: h100}]", r"cluster\.name: must be a non-empty string"),
-        (
-            "nodes: [{type: cpu, repeat: 2}]",
-            r"cluster\.links\.inter_node_gbs: missing: CPU nodes have no default",
-        ),
-    ],
-)
-def test_validation_errors_name_the_key_path(tmp_path, text, match):
-    path = tmp_path / "cluster.yaml"
-    path.write_text(text)
-    with pytest.raises(ValueError, match=match) as info:
-        load_cluster(path)
-    assert str(info.value).startswith(f"{path}: cluster")
-
-
-def test_python_tags_are_refused(tmp_path):
-    path = tmp_path / "evil.yaml"
-    path.write_text("nodes: !!python/object/apply:os.system ['echo hi']\n")
-    with pytest.raises(ValueError, match=r"(?s)python/object.*only plain YAML"):
-        load_cluster(path)
-    path.write_text("name: !!python/object:planner.cluster.Cluster {}\nnodes: [{type: h100}]\n")
-    with pytest.raises(ValueError, match="only plain YAML"):
-        load_cluster(path)
-
-
-def test_cpu_nodes_split_ram_and_cores_by_default():
-    c = parse_cluster({"nodes": [{"type": "cpu", "count": 2}]})
-    assert all(d.threads == max(1, _cores() // 2) for d in c.devices)
-    assert all(d.device.memory_bytes == local_cpu().memory_bytes // 2 for d in c.devices)
-    c = parse_cluster(
-        {
-            "nodes": [{"type": "cpu", "threads": 1, "memory_gib": 2, "repeat": 2}],
-            "links": {"inter_node_gbs": 1.25},
-        }
-    )
-    assert c.backend == "gloo" and c.devices_per_node() == [1, 1]
-    assert c.inter_node_bandwidth == 1.25e9
-    assert all(d.threads == 1 and d.device.memory_bytes == 2 * GIB for d in c.devices)
 
 
 # --- the Cluster constructor -------------------------------------------------------

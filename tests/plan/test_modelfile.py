@@ -1,4 +1,4 @@
-"""Tests for planner.modelfile: loading, the contract's errors, inputs and the default loss."""
+"""Tests for planner.plan.modelfile, batch and default_loss: the model-file contract."""
 
 from __future__ import annotations
 
@@ -9,18 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from repo import EXAMPLES
 
-from planner.plan.modelfile import (
-    DEFAULT_BATCH_SIZE,
-    Batch,
-    ModelFile,
-    ModelFileError,
-    default_loss,
-    load_model_file,
-    normalize_inputs,
-)
+from planner.plan.batch import Batch, normalize_inputs
+from planner.plan.default_loss import default_loss
+from planner.plan.modelfile import DEFAULT_BATCH_SIZE, ModelFile, ModelFileError, load_model_file
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EXPECTED_NAMES = ("build_model", "sample_batch", "loss_fn", "BATCH_SIZE")
 
 GOOD = """

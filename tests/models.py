@@ -1,0 +1,94 @@
+"""Small models the tests share, and a snapshot of a model's whole state."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planner.devices import Cluster, from_gpus
+from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
+from planner.plan import Plan
+from planner.planning import plan_model
+
+__all__ = ["Net", "Tower", "assert_same_state", "model_state", "tower_loss", "tower_plan"]
+
+
+class Net(nn.Module):
+    """BatchNorm (running statistics), dropout (RNG) and a skip connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(0.5)
+        self.mid = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        y = self.mid(self.drop(torch.relu(self.bn(h))))
+        return self.out(y + h)
+
+
+class Tower(nn.Module):
+    """An embedding, uneven layers and a tied head: the first and last stages are heavy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(512, 64)
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        self.head = nn.Linear(64, 512, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for layer in self.layers:
+            h = h + torch.relu(layer(h))
+        return self.head(h)
+
+
+def tower_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy for :class:`Tower`'s (batch, tokens, vocabulary) logits."""
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def tower_plan(devices: int = 4, *, cluster: Cluster | None = None, **search: object) -> Plan:
+    """A :class:`Tower` planned on ``devices`` analytic H100s (or ``cluster``), batch 16."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 512, (16, 8))
+    return plan_model(
+        Tower(),
+        (idx, idx),
+        cluster=cluster or from_gpus(devices, "h100"),
+        loss_fn=tower_loss,
+        options=PlanOptions(
+            training=Training(global_batch=16),
+            search=SearchOptions(**search),  # type: ignore[arg-type]
+            profile=ProfileOptions(repeats=1, warmup=0),
+        ),
+        model_file="tower.py",
+    )
+
+
+def model_state(model: nn.Module) -> dict[str, object]:
+    """Everything profiling must leave as it found: tensors, grads, modes, flags, the RNG."""
+    return {
+        "tensors": {k: v.clone() for k, v in model.state_dict().items()},
+        "grads": {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None},
+        "training": [m.training for m in model.modules()],
+        "requires_grad": [p.requires_grad for p in model.parameters()],
+        "rng": torch.get_rng_state(),
+    }
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    """Two :func:`model_state` snapshots are equal, bit for bit."""
+    assert a["tensors"].keys() == b["tensors"].keys()
+    for k, v in a["tensors"].items():
+        assert torch.equal(v, b["tensors"][k]), k  # parameters and BN statistics
+    assert a["grads"].keys() == b["grads"].keys()
+    for k, g in a["grads"].items():
+        assert torch.equal(g, b["grads"][k]), k
+    assert a["training"] == b["training"] and a["requires_grad"] == b["requires_grad"]
+    assert torch.equal(a["rng"], b["rng"])

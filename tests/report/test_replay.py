@@ -1,0 +1,63 @@
+"""Every report draws the step its plan predicts: the plan's simulation inputs, replayed.
+
+A plan for local CPU processes is the hard case: its stages share the cores,
+so the step is simulated at the speed of each moment, which per-stage figures
+alone cannot reproduce.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from models import tower_plan
+from rich.console import Console
+
+from planner.devices import from_gpus
+from planner.plan import Plan, load_plan, save_plan
+from planner.report import print_plan, timeline, write_html, write_trace
+
+
+@pytest.fixture(scope="module")
+def cpu_plan() -> Plan:
+    # Measured here: the two processes share this machine's cores.
+    return tower_plan(cluster=from_gpus(2, "cpu"), pp=2, micro_batches=4)
+
+
+def _text(plan: Plan) -> str:
+    console = Console(record=True, width=200, file=io.StringIO())
+    print_plan(plan, console=console)
+    return console.export_text()
+
+
+def test_the_report_replays_the_predicted_step_exactly(cpu_plan: Plan) -> None:
+    assert cpu_plan.step is not None and len(set(cpu_plan.step.speed)) > 1  # shared cores
+    assert timeline(cpu_plan).step_ms == cpu_plan.predicted.step_ms
+    text = _text(cpu_plan)
+    assert "(edited?)" not in text and "re-simulated" not in text and "replayed" not in text
+
+
+def test_a_saved_plan_replays_the_same_step(cpu_plan: Plan, tmp_path: Path) -> None:
+    loaded = load_plan(save_plan(cpu_plan, tmp_path / "plan.yaml"))
+    assert timeline(loaded).step_ms == cpu_plan.predicted.step_ms  # bit for bit
+    assert _text(loaded) == _text(cpu_plan)
+
+
+def test_the_trace_and_the_html_end_at_the_predicted_step(cpu_plan: Plan, tmp_path: Path) -> None:
+    data = json.loads(write_trace(cpu_plan, tmp_path / "t.json").read_text())
+    ends = [e["ts"] + e["dur"] for e in data["traceEvents"] if e["ph"] == "X"]
+    assert max(ends) == pytest.approx(cpu_plan.predicted.step_ms * 1e3, abs=1e-2)
+    assert data["otherData"]["step_ms"] == cpu_plan.predicted.step_ms
+    page = write_html(cpu_plan, tmp_path / "p.html").read_text()
+    assert "(edited?)" not in page
+
+
+def test_an_edited_step_is_called_out(cpu_plan: Plan) -> None:
+    import dataclasses
+
+    assert cpu_plan.step is not None
+    slower = dataclasses.replace(cpu_plan.step, fwd_ms=tuple(2 * x for x in cpu_plan.step.fwd_ms))
+    text = _text(dataclasses.replace(cpu_plan, step=slower))
+    assert "from the plan's simulation inputs (edited?)" in text
