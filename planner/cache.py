@@ -16,12 +16,13 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
+
+from planner.plan.files import atomic_write
 
 __all__ = ["cache_dir", "deferred", "key", "load", "store"]
 
@@ -113,20 +114,9 @@ def store(k: str, data: dict[str, Any]) -> Path | None:
 
 
 def _write(k: str, data: dict[str, Any]) -> Path | None:
-    directory = cache_dir()
-    path = directory / f"profile-{k}.json"
+    path = cache_dir() / f"profile-{k}.json"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"_format": _FORMAT, **data}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, json.dumps({"_format": _FORMAT, **data}), durable=True)
     except OSError as exc:
         log.warning(
             "could not write the profile cache at %s (%s); continuing without it", path, exc
