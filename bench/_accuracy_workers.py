@@ -35,8 +35,7 @@ import gc
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from bench._common import knobs
 from bench._runtime_workers import _count_faults, _init, _own_cpu_s, alternate, cpu_busy_s
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,28 +57,13 @@ def example_path(name: str) -> str:
     return str(ROOT / "examples" / f"{name}.py")
 
 
-@contextmanager
-def env(values: dict[str, str]) -> Iterator[None]:
-    """The example's knobs in os.environ (its functions read them when called)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 # --------------------------------------------------------------------------- plans
 
 
 def make_plan(example: str, batch: int, pp: int, dp: int, m: int) -> Any:
     """``plan_model`` pinned to (pp, dp, m) on ``from_gpus(pp·dp)``: local CPU processes.
 
-    Call inside ``env(...)`` of the example. Adam (``planner run``'s default); the
+    Call inside ``knobs(...)`` of the example. Adam (``planner run``'s default); the
     schedule is the planner's choice.
     """
     from planner.devices import from_gpus
@@ -438,7 +423,7 @@ def _prepare(case: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
     from runtime.measure import Recorder
 
     pp, dp, m = case["config"]
-    with env(case["env"]):
+    with knobs(case["env"]):
         plan, plan_load = _plan_here(lambda: make_plan(case["example"], case["batch"], pp, dp, m))
         threads = from_record(plan.cluster).devices[0].threads or 1
         torch.set_num_threads(threads)
@@ -520,7 +505,7 @@ def quality_worker(cases: list[dict[str, Any]], opts: dict[str, Any]) -> list[di
     _init()
     out = []
     for case in cases:
-        with env(case["env"]):
+        with knobs(case["env"]):
 
             def both(case: dict[str, Any] = case) -> dict[str, Any]:
                 ours = make_plan(case["example"], case["batch"], 2, 1, case["m"])

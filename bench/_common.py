@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+
+@contextlib.contextmanager
+def knobs(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables (the examples' knobs) for the duration."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def table(title: str, head: list[str], rows: list[list[Any]]) -> None:

@@ -31,6 +31,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from bench._common import knobs
+
 # --------------------------------------------------------------------------- worlds
 
 
@@ -91,17 +93,9 @@ def spawn(
             ctx.Process(target=_child, args=(fn, args, r, world, port, tmp, omp_threads))
             for r in range(world)
         ]
-        saved = {k: os.environ.get(k) for k in env or {}}
-        os.environ.update(env or {})
-        try:
+        with knobs(env or {}):
             for p in procs:
                 p.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         deadline = time.monotonic() + timeout_s
         while any(p.is_alive() for p in procs):
             failed = any(p.exitcode not in (0, None) for p in procs)

@@ -32,7 +32,6 @@ Writes bench/results/plan.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import math
 import os
@@ -41,11 +40,11 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench._common import write_json
+from bench._common import knobs, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "plan.json"
@@ -166,21 +165,6 @@ def format_summary(summary: Mapping[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- models
-
-
-@contextlib.contextmanager
-def knobs(values: Mapping[str, str]) -> Iterator[None]:
-    """Set environment variables (the examples' knobs) for the duration."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 _COMPARED = ("fwd_ms", "bwd_ms", "activation_bytes", "param_bytes", "boundary_bytes")

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from bench._common import write_json
-from bench.bench_plan import knobs, meta_profiling_problem, to_device
+from bench._common import knobs, write_json
+from bench.bench_plan import meta_profiling_problem, to_device
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "scaling.json"

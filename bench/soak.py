@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench._common import knobs
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "soak.json"
 MODEL = ROOT / "examples" / "mlp.py"
@@ -75,9 +77,7 @@ def plan_for(workdir: Path) -> Path:
     from planner.plan.modelfile import load_model_file
     from planner.planning import plan_model
 
-    old = {k: os.environ.get(k) for k in MODEL_ENV}
-    os.environ.update(MODEL_ENV)
-    try:
+    with knobs(MODEL_ENV):
         mf = load_model_file(MODEL)
         batch = mf.sample(mf.batch_size)
         plan = plan_model(
@@ -91,12 +91,6 @@ def plan_for(workdir: Path) -> Path:
             ),
             model_file=str(MODEL),
         )
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return save_plan(plan, workdir / "plan.yaml")
 
 

@@ -23,6 +23,7 @@ if str(ROOT) not in sys.path:
 
 import bench.__main__ as orchestrator
 from bench import bench_plan, bench_scaling
+from bench._common import knobs
 
 
 def _row(
@@ -105,7 +106,7 @@ def test_knobs_restore_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BENCH_KNOB_B", raising=False)
     import os
 
-    with bench_plan.knobs({"BENCH_KNOB_A": "1", "BENCH_KNOB_B": "2"}):
+    with knobs({"BENCH_KNOB_A": "1", "BENCH_KNOB_B": "2"}):
         assert (os.environ["BENCH_KNOB_A"], os.environ["BENCH_KNOB_B"]) == ("1", "2")
     assert os.environ["BENCH_KNOB_A"] == "old"
     assert "BENCH_KNOB_B" not in os.environ
