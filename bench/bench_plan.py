@@ -49,7 +49,7 @@ from bench._common import knobs, write_json
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "plan.json"
 EXAMPLES = ("mlp", "gpt", "resnet", "unet")
-BASELINES = ("uniform", "parameter_balanced", "time_balanced")
+BASELINES = ("uniform", "deepspeed_balanced", "time_balanced")
 MODES = ("at_ours", "at_best")
 
 # name -> cluster file under examples/clusters (None: 8 local CPU processes, measured)
@@ -229,8 +229,8 @@ def _baseline_starts(name: str, prof: Any, pp: int) -> tuple[int, ...]:
 
     if name == "uniform":
         return bl.uniform(len(prof.blocks), pp)
-    if name == "parameter_balanced":
-        return bl.parameter_balanced([b.param_bytes for b in prof.blocks], pp)
+    if name == "deepspeed_balanced":
+        return bl.deepspeed_balanced([b.param_bytes for b in prof.blocks], pp)
     return bl.time_balanced([b.fwd_ms + b.bwd_ms for b in prof.blocks], pp)
 
 

@@ -126,7 +126,7 @@ def _baselines(problem: PartitionProblem) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for name, starts in (
         ("uniform", baselines.uniform(n, S)),
-        ("parameter_balanced", baselines.parameter_balanced(params, S)),
+        ("deepspeed_balanced", baselines.deepspeed_balanced(params, S)),
         ("time_balanced", baselines.time_balanced(times, S)),
     ):
         b = [*starts, n]

@@ -51,15 +51,15 @@ def test_summary_counts_does_not_fit_and_errors_apart() -> None:
     rows = [
         _row(
             "a",
-            {"uniform": (2.0, 1.5), "parameter_balanced": (None, None), "time_balanced": (1, 1)},
+            {"uniform": (2.0, 1.5), "deepspeed_balanced": (None, None), "time_balanced": (1, 1)},
         ),
         _row(
             "a",
-            {"uniform": (8.0, 1.5), "parameter_balanced": (1.0, 1.0), "time_balanced": (1, 1)},
+            {"uniform": (8.0, 1.5), "deepspeed_balanced": (1.0, 1.0), "time_balanced": (1, 1)},
         ),
         _row(
             "b",
-            {"uniform": (1.0, 1.0), "parameter_balanced": (3.0, 0.9), "time_balanced": (1, 1)},
+            {"uniform": (1.0, 1.0), "deepspeed_balanced": (3.0, 0.9), "time_balanced": (1, 1)},
         ),
         _row("b", dict.fromkeys(bench_plan.BASELINES, (1.0, 1.0)), pp=1),
         {"example": "y", "cluster": "b", "error": "AssertionError: boom"},
@@ -69,9 +69,9 @@ def test_summary_counts_does_not_fit_and_errors_apart() -> None:
     assert uni["at_ours"]["geomean"] == pytest.approx(4.0)  # √(2·8)
     assert uni["at_best"]["geomean"] == pytest.approx(1.5)
     assert (uni["at_ours"]["worst"], uni["at_ours"]["best"]) == (2.0, 8.0)
-    pb = s["by_cluster"]["a"]["parameter_balanced"]["at_ours"]
+    pb = s["by_cluster"]["a"]["deepspeed_balanced"]["at_ours"]
     assert (pb["rows"], pb["does_not_fit"], pb["geomean"]) == (1, 1, 1.0)
-    assert s["by_baseline"]["parameter_balanced"]["at_best"]["worst"] == 0.9  # ours lost there
+    assert s["by_baseline"]["deepspeed_balanced"]["at_best"]["worst"] == 0.9  # ours lost there
     piped = [2.0, 1.0, 8.0, 1.0, 1.0, 1.0, 3.0, 1.0]  # the None left out
     assert s["pipelined"]["at_ours"]["geomean"] == pytest.approx(
         math.exp(sum(map(math.log, piped)) / len(piped))

@@ -13,7 +13,9 @@ free and its input has arrived::
 The last backward of a stage also all-reduces its gradients across its
 replicas (DDP, ``reduce``) before its gradient goes back; after it, each stage
 runs its tail (the tied weights' exchange, the optimizer step: ``sync``), and
-the step ends when every stage has.
+the step ends when every stage has. These rules are the step's graph
+([Note: the step graph] in :mod:`planner.cost.step_graph`); the simulation runs
+it, node by node.
 
 [Note: shared cores] Stages that share a machine's cores (local CPU processes)
 slow each other down: an action's time is its work alone divided by the
@@ -32,10 +34,9 @@ Pure: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
-from planner.plan.schedule import schedule_actions
+from planner.cost.step_graph import StepGraph, step_graph
 from planner.plan.sections import StepInputs
 from planner.plan.timeline import Event, Timeline
 
@@ -101,160 +102,140 @@ def simulate(
     p, m = len(fwd), micro_batches
     if len(bwd) != p or p < 1 or m < 1:
         raise ValueError(f"need p ≥ 1 stages with fwd and bwd each (got {len(fwd)}, {len(bwd)})")
-    run = _Run(
-        fwd=list(fwd),
-        bwd=list(bwd),
-        m=m,
-        actions=schedule_actions(schedule, p, m),
-        lf=_per(link_fwd, p - 1),
-        lb=_per(link_bwd, p - 1),
-        red=_per(reduce, p),
-        rate=list(speed) if speed is not None else [1.0] * p,
-    )
-    sy = _per(sync, p)
-    if len(run.lf) != p - 1 or len(run.lb) != p - 1 or len(sy) != p or len(run.red) != p:
+    values = {
+        "fwd": list(fwd),
+        "bwd": list(bwd),
+        "reduce": _per(reduce, p),
+        "tail": _per(sync, p),
+        "link_fwd": _per(link_fwd, p - 1),
+        "link_bwd": _per(link_bwd, p - 1),
+    }
+    if len(values["link_fwd"]) != p - 1 or len(values["link_bwd"]) != p - 1:
         raise ValueError("link_fwd/link_bwd need p − 1 entries, sync and reduce p entries")
-    if len(run.rate) != p or not all(r > 0 for r in run.rate):
-        raise ValueError(f"speed needs p = {p} entries, each > 0 (got {run.rate})")
-    if any(r != 1.0 for r in run.rate):
-        run.event_driven()
+    if len(values["tail"]) != p or len(values["reduce"]) != p:
+        raise ValueError("link_fwd/link_bwd need p − 1 entries, sync and reduce p entries")
+    rate = list(speed) if speed is not None else [1.0] * p
+    if len(rate) != p or not all(r > 0 for r in rate):
+        raise ValueError(f"speed needs p = {p} entries, each > 0 (got {rate})")
+    graph = step_graph(schedule, p, m)
+    waits = joined_waits(graph, join)
+    if any(r != 1.0 for r in rate):
+        times = _shared(graph, values, rate, waits)
     else:
-        run.list_scheduled()
-    if any(run.nxt[s] < len(run.actions[s]) for s in range(p)):
-        raise AssertionError(f"schedule {schedule!r} deadlocked at {run.nxt}")
-    step = run.tails(sy, join)
-    run.events.sort(key=lambda e: (e.start, e.stage, e.kind))
-    return Timeline(tuple(run.events), step, p, m, schedule)
+        times = longest_path(graph, values, waits)
+    events = _events(graph, values, times)
+    step = max((times[t][2] for t in graph.tails), default=0.0)
+    return Timeline(tuple(events), max(step, 0.0), p, m, schedule)
 
 
 def _per(values: Sequence[float] | None, n: int) -> list[float]:
     return list(values) if values is not None else [0.0] * n
 
 
-class _Run:
-    """The state of one simulation: when each stage and link is free, what has arrived."""
+# Per node: (start, end of its compute, end).
+Times = list[tuple[float, float, float]]
 
-    def __init__(self, **kw: Any) -> None:
-        self.fwd: list[float] = kw["fwd"]
-        self.bwd: list[float] = kw["bwd"]
-        self.m: int = kw["m"]
-        self.actions: list[list[str]] = kw["actions"]
-        self.lf: list[float] = kw["lf"]
-        self.lb: list[float] = kw["lb"]
-        self.red: list[float] = kw["red"]
-        self.rate: list[float] = kw["rate"]
-        self.p = p = len(self.fwd)
-        self.done: dict[tuple[str, int, int], float] = {}  # (kind, stage, k) -> end time
-        self.arrive: dict[tuple[str, int, int], float] = {}  # input of (kind, stage, k) at
-        self.stage_free = [0.0] * p
-        self.link_free_f = [0.0] * max(p - 1, 0)
-        self.link_free_b = [0.0] * max(p - 1, 0)
-        self.nxt = [0] * p
-        self.events: list[Event] = []
 
-    def work(self, s: int, act: str) -> float:
-        return self.fwd[s] if act[0] == "F" else self.bwd[s]
+def joined_waits(graph: StepGraph, join: Sequence[Sequence[int]]) -> dict[int, tuple[int, ...]]:
+    """Per tail node of a joined stage, the last actions of its whole group."""
+    waits: dict[int, tuple[int, ...]] = {}
+    for group in join:
+        members = tuple(graph.last[g] for g in group)
+        for s in group:
+            waits[graph.tails[s]] = members
+    return waits
 
-    def ready(self, s: int) -> float | None:
-        """When stage s's next action may start (None: its input is not yet scheduled)."""
-        act = self.actions[s][self.nxt[s]]
-        kind, k = act[0], int(act[1:])
-        if kind == "F":
-            return 0.0 if s == 0 else self.arrive.get(("F", s, k))
-        if s == self.p - 1:
-            return self.done.get(("F", s, k))
-        return self.arrive.get(("B", s, k))
 
-    def finish(self, s: int, act: str, start: float, end: float) -> None:
-        """Record an action that ran [start, end), and the transfer it starts."""
-        kind, k = act[0], int(act[1:])
-        self.events.append(Event(s, kind, k, start, end))
-        if self.nxt[s] == len(self.actions[s]) and self.red[s] > 0:  # the last backward
-            self.events.append(Event(s, "sync", -1, end, end + self.red[s]))
-            end += self.red[s]
-        self.stage_free[s] = end
-        self.done[(kind, s, k)] = end
-        if kind == "F" and s < self.p - 1:
-            t0 = max(end, self.link_free_f[s])
-            t1 = self.link_free_f[s] = t0 + self.lf[s]
-            if self.lf[s] > 0:
-                self.events.append(Event(s, "send_F", k, t0, t1))
-            self.arrive[("F", s + 1, k)] = t1
-        elif kind == "B" and s > 0:
-            t0 = max(end, self.link_free_b[s - 1])
-            t1 = self.link_free_b[s - 1] = t0 + self.lb[s - 1]
-            if self.lb[s - 1] > 0:
-                self.events.append(Event(s, "send_B", k, t0, t1))
-            self.arrive[("B", s - 1, k)] = t1
+def _fixed(node_fixed: tuple[tuple[str, int], ...], values: Mapping[str, list[float]]) -> float:
+    return sum(values[name][i] for name, i in node_fixed)
 
-    def list_scheduled(self) -> None:
-        """Stages that do not share a machine: each action starts once its stage is
-        free and its input has arrived, and takes its own time (list scheduling, fast)."""
-        remaining = sum(len(a) for a in self.actions)
-        while remaining:
-            progressed = False
-            for s in range(self.p):
-                if self.nxt[s] >= len(self.actions[s]):
-                    continue
-                t_in = self.ready(s)
-                if t_in is None:
-                    continue
-                act = self.actions[s][self.nxt[s]]
-                start = max(self.stage_free[s], t_in)
-                self.nxt[s] += 1
-                self.finish(s, act, start, start + self.work(s, act))
-                remaining -= 1
-                progressed = True
-            if not progressed:
-                break
 
-    def event_driven(self) -> None:
-        """The stages computing at once share the machine (``speed``), so an action's end
-        depends on what else runs meanwhile."""
-        running: dict[int, list[Any]] = {}  # stage -> [action, start, work left (ms alone)]
-        now = 0.0
-        while True:
-            for s in range(self.p):
-                if s in running or self.nxt[s] >= len(self.actions[s]):
-                    continue
-                t_in = self.ready(s)
-                if t_in is not None and t_in <= now:
-                    act = self.actions[s][self.nxt[s]]
-                    running[s] = [act, now, self.work(s, act)]
-                    self.nxt[s] += 1
-            waiting = [
-                t
-                for s in range(self.p)
-                if s not in running and self.nxt[s] < len(self.actions[s])
-                for t in [self.ready(s)]
-                if t is not None and t > now
-            ]
-            if not running:
-                if not waiting:
-                    return
-                now = min(waiting)
-                continue
-            r = self.rate[len(running) - 1]
-            step = min(w for _, _, w in running.values()) / r
-            until = min([now + step, *waiting])
-            for s, run in sorted(running.items()):
-                run[2] -= (until - now) * r
-                if until == now + step and run[2] <= 1e-12 * max(1.0, step * r):
-                    self.finish(s, run[0], run[1], until)
-                    del running[s]
-            now = until
+def longest_path(
+    graph: StepGraph, values: Mapping[str, list[float]], waits: Mapping[int, tuple[int, ...]]
+) -> Times:
+    """Every stage at full speed: each node starts when its last input ends (list scheduling)."""
+    times: Times = []
+    for v, node in enumerate(graph.nodes):
+        start = 0.0
+        for u in waits.get(v, node.preds):
+            start = max(start, times[u][2])
+        done = start + values[node.compute][node.stage] if node.compute else start
+        end = done + _fixed(node.fixed, values) if node.fixed else done
+        times.append((start, done, end))
+    return times
 
-    def tails(self, sync: Sequence[float], join: Sequence[Sequence[int]]) -> float:
-        """Run every stage's tail (joined groups together); the step's end."""
-        begin = list(self.stage_free)
-        for group in join:
-            together = max(self.stage_free[s] for s in group)
-            for s in group:
-                begin[s] = together
-        step = 0.0
-        for s in range(self.p):
-            end = begin[s]
-            if sync[s] > 0:
-                self.events.append(Event(s, "sync", -1, end, end + sync[s]))
-            step = max(step, end + sync[s])
-        return step
+
+def _shared(
+    graph: StepGraph,
+    values: Mapping[str, list[float]],
+    rate: Sequence[float],
+    waits: Mapping[int, tuple[int, ...]],
+) -> Times:
+    """The stages computing at once share the machine (``speed``), so a compute's end
+    depends on what else runs meanwhile: an event-driven run of the graph."""
+    nodes = graph.nodes
+    times: list[tuple[float, float, float] | None] = [None] * len(nodes)
+    left = [len(waits.get(v, n.preds)) for v, n in enumerate(nodes)]
+    after: list[list[int]] = [[] for _ in nodes]
+    for v, n in enumerate(nodes):
+        for u in waits.get(v, n.preds):
+            after[u].append(v)
+    pending: dict[int, float] = {}  # compute nodes whose inputs are known: when they may start
+    running: dict[int, list[float]] = {}  # compute node -> [start, work left (ms alone)]
+
+    def ends(v: int, start: float, done: float) -> None:
+        times[v] = (start, done, done + _fixed(nodes[v].fixed, values))
+        for w in after[v]:
+            left[w] -= 1
+            if left[w] == 0:
+                ready(w)
+
+    def ready(v: int) -> None:
+        start = max((times[u][2] for u in waits.get(v, nodes[v].preds)), default=0.0)  # type: ignore[index]
+        if nodes[v].compute:
+            pending[v] = start
+        else:
+            ends(v, start, start)
+
+    for v in range(len(nodes)):
+        if left[v] == 0:
+            ready(v)
+    now = 0.0
+    while pending or running:
+        for v in sorted(v for v, t in pending.items() if t <= now):
+            del pending[v]
+            running[v] = [now, values[nodes[v].compute][nodes[v].stage]]
+        waiting = [t for t in pending.values() if t > now]
+        if not running:
+            now = min(waiting)
+            continue
+        r = rate[len(running) - 1]
+        step = min(w for _, w in running.values()) / r
+        until = min([now + step, *waiting])
+        finished = []
+        for v, run in sorted(running.items()):
+            run[1] -= (until - now) * r
+            if until == now + step and run[1] <= 1e-12 * max(1.0, step * r):
+                finished.append(v)
+        now = until
+        for v in finished:
+            start = running.pop(v)[0]
+            ends(v, start, now)
+    if any(t is None for t in times):
+        raise AssertionError("the step graph deadlocked")
+    return times  # type: ignore[return-value]
+
+
+def _events(graph: StepGraph, values: Mapping[str, list[float]], times: Times) -> list[Event]:
+    """The timeline's events: computes, the all-reduce after a last backward, sends, tails."""
+    events = []
+    for node, (start, done, end) in zip(graph.nodes, times, strict=True):
+        s, k = node.stage, node.micro_batch
+        if node.compute:
+            events.append(Event(s, node.kind, k, start, done))
+            if end > done:  # the last backward's all-reduce
+                events.append(Event(s, "sync", -1, done, end))
+        elif end > start:
+            events.append(Event(s, "sync" if node.kind == "tail" else node.kind, k, start, end))
+    events.sort(key=lambda e: (e.start, e.stage, e.kind))
+    return events

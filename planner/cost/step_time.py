@@ -10,25 +10,40 @@ Pure: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 from planner.plan.schedule import SCHEDULES
 
-__all__ = ["closed_form", "work_bound"]
+__all__ = ["SegmentBound", "closed_form", "work_bound"]
 
 
-def work_bound(total: float, heaviest: float, pp: int, micro_batches: int) -> float:
+def work_bound(
+    total: float, heaviest: float, pp: int, micro_batches: int, schedule: str = "gpipe"
+) -> float:
     """A lower bound on the step of any placement on ``pp`` stages with ``m`` micro-batches.
 
-    Every micro-batch's work passes through the pipeline (``total``: Σ blocks'
-    forward + backward, the loss included, on the fastest device type), and
-    the busiest stage runs m micro-batches of at least an even share of it, and
-    of at least the heaviest block: ``total + (m − 1) · max(total / pp, heaviest)``.
+    ``total``: Σ blocks' forward + backward, the loss included, on the fastest
+    device type; the busiest stage holds at least an even share of it, and at
+    least the heaviest block: ``share = max(total / pp, heaviest)``. Paths of
+    the step's graph ([Note: the step graph]) give:
 
-    >>> work_bound(12.0, 2.0, 4, 3)
-    18.0
+    * GPipe: the first micro-batch's forwards up to the busiest stage, its m
+      forwards and backwards, and every other stage once: ``total + (m − 1)·share``;
+    * 1F1B: the busiest stage runs 2m actions one after another, and micro-batch
+      0 goes through every stage and back: ``max(m·share, total)``. (The GPipe
+      bound does not hold: stage 0 of two, 10 + 10 ms per micro-batch against
+      1 + 1, runs 1F1B with m = 2 in 40 ms, below 22 + 20.)
+
+    Every action runs at most at its speed alone, so the bound holds where
+    stages share cores too.
+
+    >>> work_bound(12.0, 2.0, 4, 3), work_bound(12.0, 2.0, 4, 4, "1f1b")
+    (18.0, 12.0)
     """
     share = max(total / pp, heaviest)
+    if schedule == "1f1b":
+        return max(micro_batches * share, total)
     return total + (micro_batches - 1) * share
 
 
@@ -72,3 +87,95 @@ def closed_form(
         links = [a + b for a, b in zip(lf, lb, strict=True)]
         return sum(work) + sum(links) + (m - 1) * max([*work, *links]) + sy
     raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+class SegmentBound:
+    """Lower bounds on the step of any placement in which stage s holds blocks [i, j).
+
+    From paths of the step's graph ([Note: the step graph]) that every
+    placement has, with the other stages at their least (dynamic programs over
+    the placements of the blocks before and after the segment):
+
+    * micro-batch 0's forwards reach stage s, stage s runs its m forwards and
+      m backwards, its all-reduce and tail: ``Pf + m·(f + b) + reduce + tail``;
+    * … then the last micro-batch's backwards (each with its stage's all-reduce)
+      go back to stage 0, whose tail ends the step: ``Pre + m·(f + b) + reduce``
+      (+ its tail when s = 0);
+    * GPipe: the last micro-batch's forward also runs through the later stages
+      and the first backward back to s: ``+ link + Suf``.
+
+    ``Pf``: least Σ (f + link_fwd) of the stages before s; ``Pre``: least
+    Σ (f + b + reduce + links) before s, plus stage 0's tail; ``Suf``: least
+    Σ (f + b + links) after s, over every placement (memory is not asked:
+    the bounds stay valid, and cheap). ``figures(s, i, j)`` gives (fwd, bwd,
+    reduce, tail) no larger than the step's own, ``cuts(s, j)`` (link_fwd,
+    link_bwd).
+    """
+
+    def __init__(
+        self,
+        *,
+        n_stages: int,
+        micro_batches: int,
+        schedule: str,
+        positions: Sequence[int],
+        figures: Callable[[int, int, int], Sequence[float]],
+        cuts: Callable[[int, int], Sequence[float]],
+    ) -> None:
+        self.S, self.m, self.gpipe = n_stages, micro_batches, schedule == "gpipe"
+        self.pos = list(positions)
+        self.index = {q: a for a, q in enumerate(self.pos)}
+        self.figures, self.cuts = figures, cuts
+        self._tables: tuple[list[dict[int, float]], ...] | None = None
+
+    def __call__(self, s: int, i: int, j: int) -> float:
+        pf, pre, suf = self._tables or self._build()
+        inf = math.inf
+        f, b, red, tail = self.figures(s, i, j)
+        own = self.m * (f + b) + red
+        lb = max(pf[s].get(i, inf) + own + tail, pre[s].get(i, inf) + own + (tail if s == 0 else 0))
+        if self.gpipe:
+            link = sum(self.cuts(s, j)) if s < self.S - 1 else 0.0
+            rest = (
+                pre[s].get(i, inf) + own + (tail if s == 0 else 0) + link + suf[s + 1].get(j, inf)
+            )
+            lb = max(lb, rest)
+        return lb
+
+    def _segments(self, s: int, i: int) -> list[int]:
+        """Legal ends j of stage s starting at block i (room left for the later stages)."""
+        pos, S = self.pos, self.S
+        if s == S - 1:
+            return [pos[-1]]
+        a = self.index[i]
+        return [pos[b] for b in range(a + 1, len(pos) - (S - s - 1))]
+
+    def _build(self) -> tuple[list[dict[int, float]], ...]:
+        S, inf = self.S, math.inf
+        pf: list[dict[int, float]] = [{0: 0.0}] + [{} for _ in range(S)]
+        pre: list[dict[int, float]] = [{0: 0.0}] + [{} for _ in range(S)]
+        for s in range(S - 1):
+            for i in list(pf[s]):
+                for j in self._segments(s, i):
+                    f, b, red, tail = self.figures(s, i, j)
+                    lf, lb = self.cuts(s, j)
+                    v = pf[s][i] + f + lf
+                    if v < pf[s + 1].get(j, inf):
+                        pf[s + 1][j] = v
+                    w = pre[s][i] + f + b + red + lf + lb + (tail if s == 0 else 0.0)
+                    if w < pre[s + 1].get(j, inf):
+                        pre[s + 1][j] = w
+        suf: list[dict[int, float]] = [{} for _ in range(S)] + [{self.pos[-1]: 0.0}]
+        for s in range(S - 1, 0, -1):
+            for i in self.pos[s:-1]:
+                best = inf
+                for j in self._segments(s, i):
+                    if j not in suf[s + 1]:
+                        continue
+                    f, b, _, _ = self.figures(s, i, j)
+                    link = sum(self.cuts(s, j)) if s < S - 1 else 0.0
+                    best = min(best, f + b + link + suf[s + 1][j])
+                if best < inf:
+                    suf[s][i] = best
+        self._tables = (pf, pre, suf)
+        return self._tables

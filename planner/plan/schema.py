@@ -53,7 +53,7 @@ from planner.plan.sections import (
     TrainingPlan,
 )
 
-__all__ = ["Plan", "PlanError", "check_consistent", "plan_summary"]
+__all__ = ["QUANTITIES", "Plan", "PlanError", "check_consistent", "plan_summary"]
 
 
 class PlanError(ValueError):
@@ -209,6 +209,24 @@ def check_consistent(plan: Plan, path: str) -> None:
         )
     if plan.step is not None:
         _check_step(plan.step, plan, err)
+    _check_solver(plan, err)
+
+
+QUANTITIES = ("predicted.step_ms", "predicted.closed_form_ms")
+"""What a plan's solver record may speak of: the printed step, or (older plans) the closed form."""
+
+
+def _check_solver(plan: Plan, err: Callable[[str], PlanError]) -> None:
+    sv = plan.solver
+    if sv.quantity not in QUANTITIES:
+        raise err(f"solver.quantity is {sv.quantity!r}; expected one of {', '.join(QUANTITIES)}")
+    if sv.quantity == QUANTITIES[0] and sv.bound_ms is not None:
+        step = plan.predicted.step_ms
+        if sv.bound_ms > step * (1 + 1e-9) + 1e-12:
+            raise err(
+                f"solver.bound_ms {sv.bound_ms!r} exceeds predicted.step_ms {step!r}: a lower "
+                "bound on the step cannot be above it"
+            )
 
 
 def _check_step(step: StepInputs, plan: Plan, err: Callable[[str], PlanError]) -> None:

@@ -265,27 +265,40 @@ class Candidate(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class SolverRecord(Record):
-    """How the chosen placement was found and how sure we are of it.
+    """How the chosen placement was found, and what is proven about it.
 
     Attributes:
-        name: "highs" or "cbc".
-        status: "optimal" (proven), "time_limit" (the limit stopped the solver;
-            the best placement found by then) or "heuristic" (the solver ended
-            otherwise without a better placement; the heuristic's).
+        name: "highs" or "cbc" (the MILP solver).
+        status: what is proven of ``quantity`` over every contiguous placement
+            of the plan's configuration: "optimal" (none is faster), "bounded"
+            (none is faster than ``bound_ms``; the search ended with the gap
+            open, see [Note: shared cores]) or "time_limit" (the limit stopped
+            it first). Plans of versions 1 and 2: "optimal", "time_limit" or
+            "heuristic", of their closed form.
+        quantity: the figure the status, bound and gap speak of:
+            "predicted.step_ms" (the step the plan prints), or
+            "predicted.closed_form_ms" in plans of versions 1 and 2.
+        method: how it was proven: "milp" (the step MILP), "enumeration"
+            (every placement that could be faster was simulated),
+            "bound+simulation" (the MILP's bound on a step that is not a
+            longest path, raised by simulating the placements it could not
+            rule out); "" in older plans.
         gap: (step − bound) / step, the most the placement can be off optimal.
-        bound_ms: the proven lower bound on the step time.
+        bound_ms: the proven lower bound on ``quantity``, in milliseconds.
         solve_s: wall seconds of the chosen configuration's solve, for this
             run only: never saved, so that the same inputs give the same file
             (None once loaded, except from a version 1 file).
-        time_limit_s: the limit per solve.
-        n_segments: binaries in the ILP after pruning.
-        note: e.g. how the ILP's placement was refined by simulation.
+        time_limit_s: the limit per configuration.
+        n_segments: candidate stages (the MILP's binaries) after pruning.
+        note: the solver's own words.
     """
 
     name: str
     status: str
+    quantity: str = "predicted.step_ms"
+    method: str = ""
     gap: float | None = field(metadata=FIGURE)
-    bound_ms: float | None = field(metadata=FIGURE)
+    bound_ms: float | None  # not rounded: a lower bound must stay ≤ the step it bounds
     solve_s: float | None = field(default=None, metadata=SAVED_NOT)
     time_limit_s: float | None
     n_segments: int

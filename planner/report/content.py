@@ -78,24 +78,42 @@ def _cluster(plan: Plan) -> str:
         return plan.cluster.name or "(unknown cluster)"
 
 
+_METHODS = {
+    "milp": "by the step MILP",
+    "enumeration": "every placement that could be faster simulated",
+    "bound+simulation": "the MILP's bound, and every placement it left simulated",
+}
+
+
 def _solver(plan: Plan) -> str:
+    """What is proven, of which number: the step's, or (older plans) the closed form's."""
     sv = plan.solver
     # No wall-clock time: the report shows what the plan file holds, and the file
     # holds nothing that differs between runs ([Note: reproducible plan files]).
     gap = "unknown" if sv.gap is None else fmt_pct(sv.gap, 1)
-    if sv.status == "optimal":
-        text = "proven optimal"
-    elif sv.status == "time_limit":
-        limit = f" in {sv.time_limit_s:g} s" if sv.time_limit_s is not None else ""
-        text = f"best found{limit}, gap {gap}"
-    elif sv.status == "heuristic":
-        text = f"the heuristic's placement (the solver found none better), gap {gap}"
+    bound = "" if sv.bound_ms is None else f"; none can be faster than {fmt_ms(sv.bound_ms)} ms"
+    if sv.quantity != "predicted.step_ms":
+        what = {"optimal": "proven optimal", "time_limit": f"gap {gap}"}.get(sv.status, sv.status)
+        text = (
+            f"{what} for the closed form {fmt_ms(plan.predicted.closed_form_ms)} ms, not for "
+            f"the step (a format {plan.version} plan: its solver minimised the closed form; "
+            "re-plan for a proof about the step)"
+        )
+    elif sv.status == "optimal":
+        how = _METHODS.get(sv.method, sv.method)
+        text = f"step proven optimal for this configuration ({how})"
+    elif sv.status == "bounded" and sv.method == "milp":
+        text = f"step within {gap} of optimal for this configuration{bound} (no proof: {sv.note})"
+    elif sv.status == "bounded":
+        text = (
+            f"step within {gap} of optimal for this configuration{bound} (stages share the "
+            "cores, so the step is not a longest path: the best the search found)"
+        )
     else:
-        text = sv.status
-    if sv.bound_ms is not None and sv.status != "optimal":
-        text += f", lower bound {fmt_ms(sv.bound_ms)} ms"
-    text = f"{sv.name}: {text}" + (f" ({sv.n_segments} segments)" if sv.n_segments else "")
-    return text + (f"; {sv.note}" if sv.note else "")
+        limit = f" in {sv.time_limit_s:g} s" if sv.time_limit_s is not None else ""
+        text = f"time limit: best found{limit}, gap {gap}{bound}"
+    segments = f"; {sv.n_segments} candidate stages" if sv.n_segments else ""
+    return f"{sv.name}: {text}{segments}"
 
 
 def summary(plan: Plan, tl: Timeline) -> list[tuple[str, str]]:

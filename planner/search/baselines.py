@@ -16,7 +16,7 @@ import itertools
 import math
 from collections.abc import Collection, Sequence
 
-__all__ = ["parameter_balanced", "time_balanced", "uniform"]
+__all__ = ["deepspeed_balanced", "parameter_minmax", "time_balanced", "uniform"]
 
 
 def _legal(n: int, n_stages: int, allowed: Collection[int] | None) -> list[int]:
@@ -83,20 +83,18 @@ def _covers(prefix: list[float], pos: list[int], limit: float) -> list[float]:
     return need
 
 
-def parameter_balanced(
+def parameter_minmax(
     param_counts: Sequence[float], n_stages: int, allowed: Collection[int] | None = None
 ) -> tuple[int, ...]:
-    """The least possible largest per-stage parameter count (DeepSpeed's default).
+    """The least possible largest per-stage parameter count.
 
-    DeepSpeed's ``PipelineModule(partition_method="parameters")`` weighs each
-    layer by its trainable parameter count and minimises the heaviest stage
-    (``ds_utils.partition_balanced``). This is our own exact version: binary
-    search over the candidate stage sums with a greedy cover test; among the
-    optimal splits it fills earlier stages first.
+    Exact: binary search over the candidate stage sums with a greedy cover
+    test; among the optimal splits it fills earlier stages first. (Not what
+    DeepSpeed's released partitioner computes: see :func:`deepspeed_balanced`.)
 
     Example::
 
-        parameter_balanced([4, 1, 1, 1, 1, 4], 3)   # (0, 1, 5): stages hold 4, 4, 4
+        parameter_minmax([4, 1, 1, 1, 1, 4], 3)   # (0, 1, 5): stages hold 4, 4, 4
 
     Raises:
         ValueError: more stages than blocks or allowed split points.
@@ -129,6 +127,60 @@ def parameter_balanced(
         assert b > idx[-1], "the cover test guarantees room for the remaining stages"
         idx.append(b)
     return tuple(pos[a] for a in idx)
+
+
+def deepspeed_balanced(
+    weights: Sequence[float], n_stages: int, allowed: Collection[int] | None = None
+) -> tuple[int, ...]:
+    """DeepSpeed's ``PipelineModule(partition_method="parameters")`` split.
+
+    DeepSpeed (0.19.8) weighs each layer by its trainable parameter count and
+    runs ``runtime.utils.partition_balanced``: a dynamic program over "the
+    first i blocks on j stages" that keeps, per state, the one split with the
+    least (largest − smallest stage sum), ties to the later split. That is its
+    objective (the spread of the stages, not the largest one), and the DP is
+    greedy in it (one split per state), so it need not find the least spread.
+    Reproduced here with its tie-breaks; splits at illegal points are moved to
+    the nearest legal starts. With fewer blocks than stages DeepSpeed gives
+    empty stages; this raises instead.
+
+    Example::
+
+        deepspeed_balanced([1, 2, 3, 4, 5, 6], 3)   # (0, 3, 5): 6, 9, 6 (DeepSpeed: [0, 3, 5, 6])
+
+    Raises:
+        ValueError: more stages than blocks or allowed split points, a negative weight.
+    """
+    n, m = len(weights), n_stages
+    if any(not x >= 0 for x in weights):
+        raise ValueError("weights must be numbers ≥ 0")
+    _legal(n, m, allowed)
+    inf = math.inf
+    prefix = [0.0, *itertools.accumulate(float(x) for x in weights)]
+    top = [[inf] * (m + 1) for _ in range(n + 1)]
+    low = [[inf] * (m + 1) for _ in range(n + 1)]
+    spread = [[inf] * (m + 1) for _ in range(n + 1)]
+    cut = [[0] * (m + 1) for _ in range(n + 1)]
+    top[0][0] = spread[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                hi, lo = max(top[k][j - 1], part), min(low[k][j - 1], part)
+                if spread[i][j] >= hi - lo:  # ">=": the later split wins a tie, as released
+                    spread[i][j], top[i][j], low[i][j], cut[i][j] = hi - lo, hi, lo, k
+    ends = [n]
+    for j in range(m, 0, -1):
+        ends.append(cut[ends[-1]][j])
+    starts = tuple(reversed(ends[1:]))
+    legal = set(range(1, n)) if allowed is None else set(allowed)
+    if (
+        starts[0] == 0
+        and all(x < y for x, y in itertools.pairwise(starts))
+        and set(starts[1:]) <= legal
+    ):
+        return starts
+    return _snap(list(starts[1:]), n, allowed)
 
 
 def _torchgpipe_blockpartition(sequence: Sequence[float], partitions: int) -> list[int]:

@@ -219,7 +219,7 @@ def bounded(
         if b not in fastest:
             fastest[b] = _work(profile_for, cluster, b)
         total, heaviest = fastest[b]
-        bound = work_bound(total, heaviest, pp, m)
+        bound = work_bound(total, heaviest, pp, m, sched)
         for name, grid in layouts(cluster, pp, dp):
             out.append(Config(bound, pp, dp, m, sched, name, grid))
     out.sort()

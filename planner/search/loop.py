@@ -5,14 +5,16 @@ the cluster's ranks (:mod:`planner.search.configurations`):
 
 1. a **lower bound** on its step time, from the work alone; a configuration
    whose bound cannot beat the best found so far is *pruned* without solving;
-2. otherwise the **ILP** (:mod:`planner.solve`) places the blocks, and the
-   cost model **simulates** the placement's schedule: that simulated step
-   ranks the configurations.
+2. otherwise the blocks are placed: the closed-form ILP
+   (:func:`~planner.solve.partition.solve_partition`) and the usual
+   heuristics give placements to start from, and the step solver
+   (:func:`~planner.solve.step.solve_step`) finds the placement whose
+   *simulated* step is shortest, the number the plan prints, and proves it
+   (or bounds it: [Note: shared cores]).
 
 Configurations are visited in order of their bound, so the best is usually
-found early and most others are pruned; the best few are then polished
-against the simulation (:mod:`planner.search.refine`). The ranked candidates
-are kept with why each lost. Any of pp, dp, m and the schedule can be pinned.
+found early and most others are pruned. The ranked candidates are kept with
+why each lost. Any of pp, dp, m and the schedule can be pinned.
 
 Activation recompute is chosen per stage inside the cost model: a stage
 recomputes only when it would not fit otherwise.
@@ -22,9 +24,10 @@ Pure: no torch.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from planner.cost.basis import Layout
@@ -33,15 +36,17 @@ from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
 from planner.plan.sections import Candidate
 from planner.plan.text import first_line
+from planner.search import baselines
 from planner.search.configurations import Config, ProfileFor, bounded, configurations
 from planner.search.messages import nothing_fits, plan_warnings
-from planner.search.partition import partition_problem
+from planner.search.partition import partition_problem, step_problem
 from planner.search.ranking import candidate, ranked
-from planner.search.refine import REFINE_TOP, refine
 from planner.solve.partition import solve_partition
-from planner.solve.problem import PartitionInfeasible, PartitionSolution, PartitionTimeout
+from planner.solve.problem import PartitionInfeasible, PartitionTimeout
+from planner.solve.step import solve_step
+from planner.solve.step_problem import StepSolution
 
-__all__ = ["SearchResult", "search"]
+__all__ = ["SearchResult", "place", "search"]
 
 log = logging.getLogger(__name__)
 
@@ -52,25 +57,22 @@ class SearchResult:
 
     Attributes:
         layout, cost: the chosen configuration and its cost model.
-        solution: the solver's answer for it.
-        starts, prediction: the chosen placement and its predicted step (the
-            solver's, or the refined one: ``refined`` says what changed).
+        solution: the step solver's answer for it (its placement, step, proof).
+        prediction: the placement's predicted step (``solution.step``).
         candidates: what the plan records of the search (ranked).
         warnings: the chosen plan's performance hazards.
     """
 
     layout: Layout
-    solution: PartitionSolution
+    solution: StepSolution
     prediction: Prediction
     cost: CostModel
     candidates: list[Candidate] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    starts: tuple[int, ...] = ()
-    refined: str = ""
 
-    def __post_init__(self) -> None:
-        if not self.starts:
-            self.starts = tuple(self.solution.starts)
+    @property
+    def starts(self) -> tuple[int, ...]:
+        return self.solution.starts
 
 
 def search(
@@ -107,9 +109,8 @@ def search(
         b = training.global_batch // (cfg.dp * cfg.m)
         types = sorted({cluster.devices[r].device.key for st in cfg.grid for r in st})
         cost = CostModel({t: profile_for(t, b) for t in types}, cluster, training, layout)
-        problem = partition_problem(cost, allowed_starts, block_names or ())
         try:
-            sol = solve_partition(problem, solver=options.solver, time_limit_s=options.time_limit_s)
+            sol = place(cost, options, allowed_starts, block_names or ())
         except PartitionInfeasible as exc:
             tried.append((cfg, candidate(cfg, None, "out_of_memory", first_line(exc))))
             oom_costs.append(cost)
@@ -124,38 +125,70 @@ def search(
     if not solved:
         records = [c for _, c in tried]
         raise ValueError(nothing_fits(records, oom_costs, cluster, training, options))
-    best = _polished(solved, tried, allowed_starts)
+    best = min(solved, key=lambda r: r.prediction.step_ms)
     best_ms = best.prediction.step_ms
     best.candidates = ranked([c for _, c in tried], best.layout, best_ms, options.keep)
     best.warnings = plan_warnings(best.layout, best.solution, best.prediction, options)
     return best
 
 
-def _polished(
-    solved: list[SearchResult],
-    tried: list[tuple[Config, Candidate]],
-    allowed: frozenset[int] | None,
-) -> SearchResult:
-    """The best of the top few after refining each ([Note: refining by simulation]).
+def place(
+    cost: CostModel,
+    options: SearchOptions,
+    allowed: frozenset[int] | None = None,
+    names: Sequence[str] = (),
+) -> StepSolution:
+    """The placement of least simulated step for ``cost``'s layout, and its proof.
 
-    A candidate's recorded step becomes its refined one when that is faster.
+    The closed-form ILP's placement and the usual heuristics' (uniform,
+    parameter- and time-balanced) are the step solver's warm starts; both
+    solves share ``options.time_limit_s``. The closed-form solver assumes that
+    a run of blocks that does not fit never fits once extended; a stage's
+    receive buffers follow the tensors crossing its ends, so a longer run can
+    fit where a shorter one does not, and its "nothing fits" is only believed
+    when the step solver, which asks every run, agrees.
+
+    Raises:
+        PartitionInfeasible: no placement fits memory (the message says which
+            stage needs what).
+        PartitionTimeout: the limit ran out before any placement was found.
     """
-    top = sorted(solved, key=lambda r: r.prediction.step_ms)[:REFINE_TOP]
-    for res in top:
-        got = refine(res.cost, res.starts, res.prediction, allowed)
-        res.starts, res.prediction, res.refined = got.starts, got.prediction, got.note
-        step = res.prediction.step_ms
-        for k, (cfg, cand) in enumerate(tried):
-            if cand.step_ms is not None and _same(cfg, res.layout) and cand.step_ms > step:
-                tried[k] = (cfg, dataclasses.replace(cand, step_ms=step))
-    return min(top, key=lambda r: r.prediction.step_ms)
+    started = time.perf_counter()
+    limit = options.time_limit_s
+    seeds = _heuristics(cost, allowed)
+    refused: PartitionInfeasible | None = None
+    try:
+        first = solve_partition(
+            partition_problem(cost, allowed, names), solver=options.solver, time_limit_s=limit
+        )
+        seeds.insert(0, first.starts)
+    except PartitionInfeasible as exc:
+        refused = exc
+    left = None if limit is None else max(limit - (time.perf_counter() - started), 0.05)
+    try:
+        return solve_step(
+            step_problem(cost, allowed, names),
+            solver=options.solver,
+            time_limit_s=left,
+            warm_starts=seeds,
+        )
+    except PartitionInfeasible:
+        if refused is not None:
+            raise refused from None  # its message names the block and the numbers
+        raise
 
 
-def _same(cfg: Config, lay: Layout) -> bool:
-    return (cfg.pp, cfg.dp, cfg.m, cfg.schedule, cfg.grid) == (
-        lay.pp,
-        lay.dp,
-        lay.micro_batches,
-        lay.schedule,
-        lay.ranks,
-    )
+def _heuristics(cost: CostModel, allowed: frozenset[int] | None) -> list[tuple[int, ...]]:
+    """The usual partitioners' placements (those with a stage each)."""
+    n, pp = cost.n_blocks, cost.layout.pp
+    blocks = cost.profile.blocks
+    out = []
+    for seed in (
+        baselines.uniform(n, pp, allowed),
+        baselines.parameter_minmax([b.param_bytes for b in blocks], pp, allowed),
+        baselines.deepspeed_balanced([b.param_bytes for b in blocks], pp, allowed),
+        baselines.time_balanced([b.fwd_ms + b.bwd_ms for b in blocks], pp, allowed),
+    ):
+        if len(seed) == pp and tuple(seed) not in out:
+            out.append(tuple(seed))
+    return out

@@ -10,15 +10,17 @@ from planner.cost.model import CostModel, Prediction
 from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
 from planner.plan.sections import Candidate
-from planner.solve.problem import PartitionSolution, format_bytes
+from planner.solve.problem import format_bytes
+from planner.solve.step_problem import StepSolution
 
 __all__ = ["nothing_fits", "nothing_possible", "plan_warnings"]
 
 
 def plan_warnings(
-    layout: Layout, sol: PartitionSolution, prediction: Prediction, options: SearchOptions
+    layout: Layout, sol: StepSolution, prediction: Prediction, options: SearchOptions
 ) -> list[str]:
-    """The chosen plan's performance hazards: a large bubble, no proof, a stage near full."""
+    """The chosen plan's performance hazards: a large bubble, a solve cut short, a stage
+    near full. (A bounded placement is not one: the report's solver line gives its gap.)"""
     out = []
     lay = layout
     if lay.pp > 1 and lay.micro_batches < lay.pp:
@@ -30,18 +32,18 @@ def plan_warnings(
             f"(--micro-batches {lay.pp}, with a batch divisible by dp × {lay.pp} = "
             f"{lay.dp * lay.pp}) would shrink it"
         )
-    gap = f"{sol.gap:.2%}" if sol.gap is not None else "unknown"
     if sol.status == "time_limit":
         out.append(
             f"the solver stopped at its time limit ({options.time_limit_s} s) before proving "
-            f"the placement optimal (gap {gap}: it is at most that much slower than the best); "
-            "raise --time-limit for a proof"
+            f"the placement optimal: its step {sol.step:.4g} ms is proven within "
+            f"{sol.gap:.2%} of the best possible (≥ {sol.bound:.4g} ms); raise --time-limit "
+            "for a proof"
         )
-    elif sol.status != "optimal":
+    elif sol.status == "bounded" and sol.method == "milp":
         out.append(
-            f"the solver ended without proving the placement optimal ({sol.solver_status}); "
-            f"this is the heuristic's placement, gap {gap}; try --solver "
-            f"{'cbc' if sol.solver == 'highs' else 'highs'}"
+            f"the solver ended without proving the placement optimal ({sol.detail}): its step "
+            f"{sol.step:.4g} ms is proven within {sol.gap:.2%} of the best possible; try "
+            f"--solver {'cbc' if sol.solver == 'highs' else 'highs'}"
         )
     for st in prediction.stages:
         if st.memory.total > 0.9 * st.capacity:

@@ -1,7 +1,9 @@
-"""A layout's cost model as the partition solver's problem: numbers in, no torch, no planner.
+"""A layout's cost model as the solvers' problems: numbers in, no torch, no planner.
 
 The solver (:mod:`planner.solve`) knows nothing of the planner; this is where
-the cost model's segment figures become its callables.
+the cost model's figures become its callables: :func:`step_problem` (the
+simulated step, the number a plan prints) and :func:`partition_problem` (the
+closed form, solved first for a fast good placement to start from).
 """
 
 from __future__ import annotations
@@ -9,9 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.cost.model import CostModel
+from planner.cost.step_graph import FIGURES, Node, step_graph
+from planner.cost.step_time import SegmentBound
 from planner.solve.problem import PartitionProblem
+from planner.solve.step_problem import GraphNode, Row, StepProblem, Term
 
-__all__ = ["partition_problem"]
+__all__ = ["partition_problem", "step_problem"]
+
+_SEG = {name: q for q, name in enumerate(FIGURES[:4])}  # fwd, bwd, reduce, tail
+_CUT = {name: q for q, name in enumerate(FIGURES[4:])}  # link_fwd, link_bwd
 
 
 def partition_problem(
@@ -41,3 +49,129 @@ def partition_problem(
         stage_class=cost.stage_classes(),
         block_names=list(names) or None,
     )
+
+
+def step_problem(
+    cost: CostModel, allowed_starts: frozenset[int] | None = None, names: Sequence[str] = ()
+) -> StepProblem:
+    """The :class:`StepProblem` of ``cost``'s layout: the simulated step itself.
+
+    Example::
+
+        sol = solve_step(step_problem(cost), warm_starts=[starts])
+        sol.step == cost.predict(sol.starts).step_ms
+
+    The graph is the schedule's ([Note: the step graph]); its figures are the
+    ones :meth:`CostModel.predict` simulates with. Where stages share a
+    machine's cores ([Note: shared cores]) a compute runs at most at the
+    fastest speed, so the figures at that speed give a lower bound only, and
+    the machine computes at most ``R = max_k k · speed_k`` stage-alone
+    milliseconds per millisecond: every micro-batch's work takes at least
+    Σ m·(f + b) / R, after which stage 0 still all-reduces and steps (a row).
+    """
+    lay, n = cost.layout, cost.n_blocks
+    graph = step_graph(lay.schedule, lay.pp, lay.micro_batches)
+    prices = _Prices(cost)
+    legal = sorted(set(range(1, n) if allowed_starts is None else allowed_starts) - {0})
+    bound = SegmentBound(  # without recompute: a backward no longer than the step's own
+        n_stages=lay.pp,
+        micro_batches=lay.micro_batches,
+        schedule=lay.schedule,
+        positions=[0, *legal, n],
+        figures=lambda s, i, j: prices.priced(s, i, j, False),
+        cuts=prices.cuts,
+    )
+    tied = tuple(frozenset(users) for _, _, users in cost.basis.tied if len(set(users)) > 1)
+    return StepProblem(
+        n_blocks=n,
+        n_stages=lay.pp,
+        seg_figures=prices.figures,
+        cut_figures=prices.cuts,
+        seg_memory=prices.memory,
+        capacity=cost.capacity,
+        nodes=[_node(node) for node in graph.nodes],
+        ends=graph.tails,
+        evaluate=lambda starts: cost.predict(starts).step_ms,
+        exact=prices.exact,
+        seg_bound=bound,
+        rows=_throughput(cost, prices),
+        tied=tied,
+        waiter=graph.tails if tied else (),
+        awaited=graph.last if tied else (),
+        allowed_starts=allowed_starts,
+        stage_class=prices.classes,
+        block_names=list(names) or None,
+    )
+
+
+class _Prices:
+    """A layout's figures as the step's graph takes them, each computed once.
+
+    ``exact``: every stage computes at full speed, so the figures are the
+    simulation's; else they are the simulation's at the fastest speed (a
+    lower bound on each compute).
+    """
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost, self.time = cost, cost.time
+        self.fastest = max(self.time.speeds)
+        self.exact = all(r == 1.0 for r in self.time.speeds)
+        self.classes = cost.stage_classes()
+        self._priced: dict[tuple[int, int, int, bool], tuple[float, float, float, float]] = {}
+        self._cuts: dict[tuple[int, int], tuple[float, float]] = {}
+        self._memory: dict[tuple[int, int, int], float] = {}
+        self._recompute: dict[tuple[int, int, int], bool] = {}
+
+    def priced(self, s: int, i: int, j: int, rc: bool) -> tuple[float, float, float, float]:
+        """(fwd, bwd, reduce, tail) of stage s holding [i, j), recomputing or not."""
+        key = (self.classes[s], i, j, rc)
+        got = self._priced.get(key)
+        if got is None:
+            t = self.time
+            scale = t.compute_scale * (1.0 if self.exact else self.fastest)
+            red = t.reduce_ms(s, i, j)
+            got = (t.fwd(s, i, j) / scale, t.bwd(s, i, j, rc) / scale, red, t.sync(s, i, j) - red)
+            self._priced[key] = got
+        return got
+
+    def figures(self, s: int, i: int, j: int) -> tuple[float, float, float, float]:
+        """The figures with the stage's own recompute choice (it depends on the stage)."""
+        rc = self._recompute.get((s, i, j))
+        if rc is None:
+            rc = self._recompute[s, i, j] = self.cost.recompute(s, i, j)
+        return self.priced(s, i, j, rc)
+
+    def cuts(self, s: int, j: int) -> tuple[float, float]:
+        got = self._cuts.get((s, j))
+        if got is None:
+            got = self._cuts[s, j] = self.time.cut(s, j)
+        return got
+
+    def memory(self, s: int, i: int, j: int) -> float:
+        got = self._memory.get((s, i, j))
+        if got is None:
+            got = self._memory[s, i, j] = self.cost.stage_memory(s, i, j)
+        return got
+
+
+def _throughput(cost: CostModel, prices: _Prices) -> list[Row]:
+    """Shared cores: T ≥ Σ m·(f + b) alone / R + stage 0's all-reduce and tail."""
+    pp, m, speeds = cost.layout.pp, cost.layout.micro_batches, cost.time.speeds
+    if prices.exact or pp == 1:
+        return []
+    R = max((k + 1) * r for k, r in enumerate(speeds))
+    c = m * prices.fastest / R
+    work = tuple((s, _SEG[q], c) for s in range(pp) for q in ("fwd", "bwd"))
+    return [Row(seg=(*work, (0, _SEG["reduce"], 1.0), (0, _SEG["tail"], 1.0)))]
+
+
+def _node(node: Node) -> GraphNode:
+    """A step-graph node as the solver's: its figures as (stage or link, figure, 1)."""
+    seg: list[Term] = [(node.stage, _SEG[node.compute], 1.0)] if node.compute else []
+    cut: list[Term] = []
+    for name, i in node.fixed:
+        if name in _SEG:
+            seg.append((i, _SEG[name], 1.0))
+        else:
+            cut.append((i, _CUT[name], 1.0))
+    return GraphNode(preds=node.preds, seg=tuple(seg), cut=tuple(cut))

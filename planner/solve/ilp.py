@@ -131,11 +131,32 @@ def _silence_highs_banner() -> None:
         os.close(saved)
 
 
-def run_highs(prob: pulp.LpProblem, time_limit: float | None, threads: int | None) -> Outcome:
+def run_highs(
+    prob: pulp.LpProblem,
+    time_limit: float | None,
+    threads: int | None,
+    lean: bool = False,
+) -> Outcome:
+    """Solve with HiGHS.
+
+    ``lean``: for a model that starts from a good incumbent, skip HiGHS's presolve
+    and its sub-MIP heuristics. On the step MILP presolve probed the binaries of its
+    dense figure rows for 2.9 s where the solve took 0.1 s (gpt, 1 300 binaries), and
+    RINS / RENS sub-MIPs took 3.1 of 3.4 s (a 24-layer GPT on 8 stages, 248 binaries;
+    0.34 s without them), both to the same optimum.
+    """
     _silence_highs_banner()
     import highspy
 
-    kw = {"random_seed": 0, "mip_abs_gap": 1e-9}
+    kw: dict[str, object] = {"random_seed": 0, "mip_abs_gap": 1e-9}
+    if lean:
+        kw.update(
+            presolve="off",
+            mip_heuristic_effort=0.0,
+            mip_heuristic_run_rins=False,
+            mip_heuristic_run_rens=False,
+            mip_heuristic_run_root_reduced_cost=False,
+        )
     prob.solve(
         HighsSolver(msg=False, gapRel=MIP_REL_GAP, timeLimit=time_limit, threads=threads, **kw)
     )

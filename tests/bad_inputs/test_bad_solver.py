@@ -4,6 +4,7 @@ that is missing."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 
@@ -26,8 +27,32 @@ from planner.solve import (
     solve_partition,
 )
 from planner.solve.ilp import HighsSolver
+from planner.solve.step import solve_step
+from planner.solve.step_problem import GraphNode, StepProblem
 
 # --------------------------------------------------------------------------- 12, 13, 14. solver
+
+
+def _step_chain(n: int, stages: int) -> StepProblem:
+    """Stages that run side by side: the step is the busiest stage's work."""
+    rng = random.Random(1)
+    times = [rng.uniform(0.5, 2.0) for _ in range(n)]
+
+    def step(starts: tuple[int, ...]) -> float:
+        bounds = [*starts, n]
+        return max(sum(times[a:b]) for a, b in itertools.pairwise(bounds))
+
+    return StepProblem(
+        n_blocks=n,
+        n_stages=stages,
+        seg_figures=lambda s, i, j: (sum(times[i:j]),),
+        cut_figures=lambda s, j: (),
+        seg_memory=lambda s, i, j: 0.0,
+        capacity=[math.inf] * stages,
+        nodes=[GraphNode(preds=(), seg=((s, 0, 1.0),)) for s in range(stages)],
+        ends=tuple(range(stages)),
+        evaluate=step,
+    )
 
 
 def _sync_heavy(n: int, stages: int) -> PartitionProblem:
@@ -48,16 +73,19 @@ def _sync_heavy(n: int, stages: int) -> PartitionProblem:
     )
 
 
-def _with_status(env: Env, **changes: object) -> None:
-    """Make every solve of the search come back with ``changes`` (e.g. its status)."""
+def _with_status(env: Env, gap: float, **changes: object) -> None:
+    """Make every step solve of the search come back with ``changes`` (e.g. its status) and
+    a bound ``gap`` below its step."""
     from planner.search import loop
 
-    real = loop.solve_partition
+    real = loop.solve_step
 
     def solve_and_mark(*args: object, **kwargs: object) -> object:
-        return dataclasses.replace(real(*args, **kwargs), **changes)  # type: ignore[arg-type]
+        sol = real(*args, **kwargs)  # type: ignore[arg-type]
+        bound = sol.step * (1 - gap)
+        return dataclasses.replace(sol, gap=gap, bound=bound, **changes)  # type: ignore[arg-type]
 
-    env.monkeypatch.setattr(loop, "solve_partition", solve_and_mark)
+    env.monkeypatch.setattr(loop, "solve_step", solve_and_mark)
 
 
 def test_case12_ilp_infeasible_unbounded_undefined(env: Env) -> None:
@@ -104,9 +132,15 @@ def test_case12_ilp_infeasible_unbounded_undefined(env: Env) -> None:
         assert f"PuLP: {pulp.LpStatus[status]}" in sol.solver_status
         assert sol.objective == pytest.approx(evaluate(problem, sol.starts))  # a real placement
         assert sol.gap is not None and sol.gap > 0
+    # The step MILP's values are not used either: the placement stays the (poor) warm
+    # start, and without a proof it says so, with HiGHS's own bound below its step.
+    problem = _step_chain(12, 3)
+    sol = solve_step(problem, warm_starts=[(0, 1, 2)])
+    assert sol.status == "bounded" and sol.method == "milp", sol
+    assert "PuLP: Undefined" in sol.detail
+    assert sol.starts == (0, 1, 2) and 0 < sol.bound < sol.step and sol.gap > 0
     # End to end: the planner still writes a valid plan, the same as without the fault
-    # (the incumbent, proven optimal by the planner's own bounds here; equal-cost
-    # placements resolved the same way: [Note: tie-breaking]).
+    # (two stages: every placement is simulated, no MILP is needed).
     env.monkeypatch.undo()
     env.monkeypatch.setenv("PLANNER_CACHE_DIR", str(env.cache))
     model = env.write(MLP)
@@ -116,15 +150,20 @@ def test_case12_ilp_infeasible_unbounded_undefined(env: Env) -> None:
     assert faulty.split_points == clean.split_points
     assert faulty.predicted == clean.predicted
     # A placement the solver did not prove is recorded and reported as such.
-    _with_status(env, status="heuristic", gap=0.1, solver_status="HiGHS: (PuLP: Infeasible)")
+    env.monkeypatch.undo()
+    env.monkeypatch.setenv("PLANNER_CACHE_DIR", str(env.cache))
+    _with_status(env, gap=0.1, status="bounded", method="milp", detail="HiGHS: (PuLP: Infeasible)")
     plan, out = env.planned(model, "--gpus", 2, *A100, "--pp", 2)
-    assert plan.solver.status == "heuristic" and plan.solver.gap == 0.1
+    assert plan.solver.status == "bounded" and plan.solver.gap == 0.1
     assert any(
-        "the solver ended without proving the placement optimal (HiGHS: (PuLP: Infeasible)); "
-        "this is the heuristic's placement, gap 10.00%; try --solver cbc" in w
+        "the solver ended without proving the placement optimal (HiGHS: (PuLP: Infeasible)): "
+        "its step"
+        in w
+        and "is proven within 10.00% of the best possible; try --solver cbc" in w
         for w in plan.warnings
     ), plan.warnings
-    assert "the heuristic's placement (the solver found none better), gap 10.0 %" in out
+    assert "step within 10.0 % of optimal for this configuration; none can be faster" in out
+    assert "(no proof: HiGHS: (PuLP: Infeasible))" in out
 
 
 def test_case13_solver_time_limit(env: Env) -> None:
@@ -148,12 +187,13 @@ def test_case13_solver_time_limit(env: Env) -> None:
     assert any(
         w.startswith(
             "the solver stopped at its time limit (30.0 s) before proving the placement "
-            "optimal (gap 5.00%"
+            "optimal: its step"
         )
+        and "is proven within 5.00% of the best possible" in w
         and "raise --time-limit" in w
         for w in plan.warnings
     ), plan.warnings
-    assert "best found in 30 s, gap 5.0 %" in out
+    assert "time limit: best found in 30 s, gap 5.0 %; none can be faster than" in out
 
 
 def test_case14_solver_missing(env: Env) -> None:

@@ -1,4 +1,5 @@
-"""The baseline partitioners on literal inputs, and parameter_balanced against brute force."""
+"""The baseline partitioners on literal inputs (DeepSpeed's and torchgpipe's as their releases
+split them), and parameter_minmax against brute force."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.search.baselines import parameter_balanced, time_balanced, uniform
+from planner.search.baselines import deepspeed_balanced, parameter_minmax, time_balanced, uniform
 
 
 def test_uniform_gives_extra_blocks_to_the_first_stages() -> None:
@@ -24,11 +25,27 @@ def test_uniform_snaps_to_allowed_starts() -> None:
     assert uniform(10, 3, allowed={8, 9}) == (0, 8, 9)  # both pushed to the only two
 
 
-def test_parameter_balanced_literals() -> None:
-    assert parameter_balanced([4, 1, 1, 1, 1, 4], 3) == (0, 1, 5)
-    assert parameter_balanced([1, 1, 1, 1], 2) == (0, 2)
-    assert parameter_balanced([10, 1, 1, 1], 2) == (0, 1)
-    assert parameter_balanced([1, 2, 3, 4, 5], 2, allowed={1, 4}) == (0, 4)  # 10 | 5
+def test_parameter_minmax_literals() -> None:
+    assert parameter_minmax([4, 1, 1, 1, 1, 4], 3) == (0, 1, 5)
+    assert parameter_minmax([1, 1, 1, 1], 2) == (0, 2)
+    assert parameter_minmax([10, 1, 1, 1], 2) == (0, 1)
+    assert parameter_minmax([1, 2, 3, 4, 5], 2, allowed={1, 4}) == (0, 4)  # 10 | 5
+
+
+def test_deepspeed_balanced_reproduces_deepspeed() -> None:
+    # What deepspeed 0.19.8's runtime.utils.partition_balanced returned for these weights
+    # (its last entry, the end, dropped). It minimises largest − smallest, greedily:
+    assert deepspeed_balanced([1, 2, 3, 4, 5, 6], 3) == (0, 3, 5)  # 6 | 9 | 6, spread 3
+    assert deepspeed_balanced([4, 1, 1, 1, 1, 4], 3) == (0, 1, 5)
+    assert deepspeed_balanced([10, 1, 1, 1], 2) == (0, 1)
+    assert deepspeed_balanced([0, 5, 0, 5, 0, 5, 0], 3) == (0, 3, 5)
+    assert deepspeed_balanced([3, 3, 3, 3, 3, 3, 3, 3, 100], 4) == (0, 3, 6, 8)
+    assert deepspeed_balanced([1, 2, 3, 4, 5], 2, allowed={1, 4}) == (0, 4)
+    # ... which need not be the least largest stage: 8 | 8 | 14 (spread 6) against
+    # 13 | 12 | 5 (spread 8).
+    weights = [8, 1, 4, 3, 9, 3, 2]
+    assert deepspeed_balanced(weights, 3) == (0, 1, 4)
+    assert parameter_minmax(weights, 3) == (0, 3, 5)
 
 
 def test_time_balanced_reproduces_torchgpipe() -> None:
@@ -46,7 +63,9 @@ def test_too_many_stages_quotes_both_numbers() -> None:
     with pytest.raises(ValueError, match="4 stages need 3 split points but only 2"):
         time_balanced([1.0, 2.0, 3.0], 4)
     with pytest.raises(ValueError, match="≥ 0"):
-        parameter_balanced([1.0, -1.0], 2)
+        parameter_minmax([1.0, -1.0], 2)
+    with pytest.raises(ValueError, match="≥ 0"):
+        deepspeed_balanced([1.0, -1.0], 2)
 
 
 def _brute_max_sum(weights: list[int], stages: int, allowed: set[int] | None) -> int:
@@ -80,11 +99,11 @@ def _valid(starts: tuple[int, ...], n: int, stages: int, allowed: set[int] | Non
 
 @settings(max_examples=300, deadline=None)
 @given(weights_stages_allowed())
-def test_parameter_balanced_is_optimal_for_its_objective(
+def test_parameter_minmax_is_optimal_for_its_objective(
     case: tuple[list[int], int, set[int] | None],
 ) -> None:
     weights, stages, allowed = case
-    starts = parameter_balanced(weights, stages, allowed)
+    starts = parameter_minmax(weights, stages, allowed)
     assert _valid(starts, len(weights), stages, allowed)
     b = [*starts, len(weights)]
     worst = max(sum(weights[b[s] : b[s + 1]]) for s in range(stages))

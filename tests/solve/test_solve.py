@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.search.baselines import parameter_balanced, time_balanced, uniform
+from planner.search.baselines import parameter_minmax, time_balanced, uniform
 from planner.solve import (
     PartitionInfeasible,
     PartitionProblem,
@@ -176,7 +176,7 @@ def test_heterogeneous_every_device_order(p: PartitionProblem) -> None:
         allowed = q.allowed_starts
         for starts in (
             uniform(q.n_blocks, q.n_stages, allowed),
-            parameter_balanced(params, q.n_stages, allowed),
+            parameter_minmax(params, q.n_stages, allowed),
             time_balanced(times, q.n_stages, allowed),
         ):
             if fits(q, starts):

@@ -1,0 +1,287 @@
+"""``solve_step``: the placement of least step, and what is proven about it.
+
+1. The warm starts (placements the caller found by other means) are
+   evaluated; the best is the incumbent U.
+2. Segments that do not fit their stage's memory, or whose bound exceeds U,
+   are dropped (:class:`~planner.solve.step_table.StepTable`).
+3. Few placements left: every one is evaluated (proven by enumeration).
+   Otherwise the step MILP ([Note: the step MILP]) is solved.
+4. An exact problem is then done: the MILP minimised the step itself. For a
+   bounded one the MILP's optimum is a lower bound; its placement and the
+   incumbent are polished by moving split points, and while time is left the
+   MILP is solved again without the placements already evaluated (no-good
+   rows), which raises the bound until it meets the best step or the time is
+   up. What is proven is reported as it stands.
+
+Pure: numbers and callables in; it imports PuLP, never torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pulp
+
+from planner.solve.ilp import MIP_REL_GAP, Outcome, pick_solver, run_cbc, run_highs
+from planner.solve.problem import PartitionInfeasible, PartitionTimeout
+from planner.solve.step_ilp import build_step_ilp, chosen
+from planner.solve.step_problem import StepProblem, StepSolution, StepStatus
+from planner.solve.step_table import Layers, StepTable
+
+__all__ = ["ENUMERATE_MAX", "ENUMERATE_S", "GAP_ROUNDS", "GAP_S", "POLISH_BUDGET", "solve_step"]
+
+log = logging.getLogger(__name__)
+
+ENUMERATE_MAX = 48
+"""Placements at most that are evaluated one by one instead of solving the MILP (exact problems)."""
+ENUMERATE_S = 2.0
+"""Seconds of evaluations at most spent on enumerating a bounded problem's placements."""
+POLISH_BUDGET = 200
+"""Evaluations at most spent on moving split points (bounded problems)."""
+GAP_ROUNDS = 25
+"""MILP solves at most spent raising a bounded problem's bound (no-good rows)."""
+GAP_S = 2.0
+"""Seconds at most spent raising a bounded problem's bound, after its first MILP."""
+
+
+def solve_step(
+    problem: StepProblem,
+    *,
+    solver: str = "highs",
+    time_limit_s: float | None = None,
+    warm_starts: Sequence[Sequence[int]] = (),
+    threads: int | None = None,
+) -> StepSolution:
+    """The placement with the shortest step (``problem.evaluate``), and its proof.
+
+    Example::
+
+        sol = solve_step(problem, warm_starts=[(0, 5, 11)], time_limit_s=30)
+        sol.status, sol.step, sol.bound   # "optimal", 12.5, 12.5
+
+    Args:
+        problem: the chain, the stages, the step's graph.
+        solver: "highs", "cbc" or "auto" (HiGHS when installed).
+        time_limit_s: wall seconds for the whole call.
+        warm_starts: placements (starts) to begin from; those that do not fit
+            memory are skipped.
+        threads: MILP solver threads (None: the solver's default).
+
+    Raises:
+        PartitionInfeasible: no placement fits the stages' memory.
+        PartitionTimeout: the limit ran out before any placement was found.
+        SolverUnavailable: the solver is not installed.
+        ValueError: an unknown solver, a bad limit, a malformed warm start.
+    """
+    t0 = time.perf_counter()
+    name = pick_solver(solver)
+    if time_limit_s is not None and not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be > 0 seconds or None (got {time_limit_s!r})")
+    run = _Run(StepTable(problem), name, t0, t0 + (time_limit_s or math.inf), threads)
+    for ws in warm_starts:
+        idx = run.t.indices(ws)
+        if run.t.fits_all(idx):
+            run.offer(idx)
+    layers = run.t.layers(run.U, keep=[run.best] if run.best else [])
+    run.n_segments = sum(len(row) for layer in layers for row in layer.values())
+    if run.t.count(layers) == 0:
+        raise PartitionInfeasible(
+            f"no placement of {problem.n_blocks} blocks on {problem.n_stages} stages fits "
+            "every stage's memory"
+        )
+    if run.enumerable(layers):
+        return run.enumerate(layers)
+    return run.milp(layers)
+
+
+@dataclass
+class _Run:
+    """The state of one solve: the table, the incumbent, the clock."""
+
+    t: StepTable
+    solver: str
+    t0: float
+    deadline: float
+    threads: int | None
+    best: list[int] | None = None
+    U: float = math.inf
+    evaluated: int = 0
+    eval_s: float = 0.0
+    solver_s: float = 0.0
+    n_segments: int = 0
+    seen: set[tuple[int, ...]] = field(default_factory=set)
+
+    def offer(self, idx: list[int]) -> float:
+        """Evaluate a placement; keep it when it beats the incumbent."""
+        key = tuple(idx)
+        started = time.perf_counter()
+        step = float(self.t.p.evaluate(self.t.starts(idx)))
+        self.eval_s += time.perf_counter() - started
+        self.evaluated += 1
+        self.seen.add(key)
+        if step < self.U * (1 - 1e-12) or self.best is None:
+            self.best, self.U = list(idx), step
+        return step
+
+    def per_eval_s(self) -> float:
+        return self.eval_s / self.evaluated if self.evaluated else 1e-3
+
+    def enumerable(self, layers: Layers) -> bool:
+        count = self.t.count(layers)
+        if count <= ENUMERATE_MAX:
+            return True
+        if self.t.p.exact:
+            return False
+        budget = min(ENUMERATE_S, (self.deadline - time.perf_counter()) / 2)
+        return count * self.per_eval_s() <= budget
+
+    def answer(self, status: StepStatus, bound: float, method: str, detail: str) -> StepSolution:
+        if self.best is None:
+            raise PartitionTimeout(
+                f"the time limit ran out after {time.perf_counter() - self.t0:.3f} s before "
+                "any placement was found: raise the limit or give a warm start"
+            )
+        U = self.U
+        bound = min(bound, U)
+        if status != "optimal" and U - bound <= MIP_REL_GAP * abs(U):
+            status = "optimal"
+        return StepSolution(
+            starts=self.t.starts(self.best),
+            step=U,
+            bound=bound,
+            gap=(U - bound) / U if U > 0 else 0.0,
+            status=status,
+            method=method,
+            solver=self.solver,
+            solve_s=time.perf_counter() - self.t0,
+            solver_s=self.solver_s,
+            n_segments=self.n_segments,
+            evaluated=self.evaluated,
+            detail=detail,
+        )
+
+    # ----------------------------------------------------------------- enumeration
+
+    def enumerate(self, layers: Layers) -> StepSolution:
+        """Evaluate every placement through the layers: the least is proven optimal."""
+        count = self.t.count(layers)
+        for idx in self.t.paths(layers):
+            if tuple(idx) not in self.seen:
+                self.offer(idx)
+            if time.perf_counter() > self.deadline:
+                bound = self._graph_bound(layers)
+                return self.answer(
+                    "time_limit", bound, "enumeration", "time limit during enumeration"
+                )
+        return self.answer("optimal", self.U, "enumeration", f"all {count} placements evaluated")
+
+    def _graph_bound(self, layers: Layers) -> float:
+        """The least graph value over the placements of ``layers`` (lower bounds all)."""
+        return min((self.t.graph_times(idx)[0] for idx in self.t.paths(layers)), default=0.0)
+
+    # ----------------------------------------------------------------- the MILP
+
+    def solve_milp(self, prob: pulp.LpProblem) -> Outcome:
+        remaining = self.deadline - time.perf_counter()
+        limit = None if math.isinf(remaining) else max(remaining, 0.01)
+        started = time.perf_counter()
+        if self.solver == "highs":
+            outcome = run_highs(prob, limit, self.threads, lean=self.best is not None)
+        else:
+            outcome = run_cbc(prob, limit, self.threads)
+        self.solver_s += time.perf_counter() - started
+        log.info("step MILP: %s", outcome.detail)
+        return outcome
+
+    def milp(self, layers: Layers) -> StepSolution:
+        prob, x = build_step_ilp(self.t, layers, self.best)
+        outcome = self.solve_milp(prob)
+        path = chosen(self.t, x) if outcome.has_solution else None
+        if path is not None and tuple(path) not in self.seen:
+            step = self.offer(path)
+            graph = self.t.graph_times(path)[0]
+            if self.t.p.exact and abs(step - graph) > 1e-6 * max(1.0, abs(step)):
+                raise AssertionError(
+                    f"the step's graph gives {graph!r} for {self.t.starts(path)} but the step "
+                    f"is {step!r}: the problem says exact=True, so they must agree"
+                )
+        bound = _bound(outcome, path, self.t)
+        if self.t.p.exact:
+            status: StepStatus = "optimal" if outcome.proven else "bounded"
+            if outcome.limited:
+                status = "time_limit"
+            return self.answer(status, bound, "milp", outcome.detail)
+        return self.close_gap(prob, x, layers, bound, outcome)
+
+    def close_gap(
+        self,
+        prob: pulp.LpProblem,
+        x: dict[tuple[int, int, int], pulp.LpVariable],
+        layers: Layers,
+        bound: float,
+        outcome: Outcome,
+    ) -> StepSolution:
+        """Bounded problems: polish the best placements, then raise the bound by no-goods."""
+        self.polish()
+        rounds, detail, limited = 0, outcome.detail, outcome.limited
+        last = chosen(self.t, x) if outcome.has_solution else None
+        stop = min(self.deadline, time.perf_counter() + GAP_S)
+        while (
+            outcome.proven
+            and last is not None
+            and rounds < GAP_ROUNDS
+            and bound < self.U * (1 - MIP_REL_GAP)
+            and time.perf_counter() < stop
+        ):
+            rounds += 1
+            S = self.t.S
+            terms = [(x[s, last[s], last[s + 1]], 1.0) for s in range(S)]
+            prob += pulp.LpAffineExpression(terms) <= S - 1, f"seen_{rounds}"
+            outcome = self.solve_milp(prob)
+            limited = outcome.limited
+            last = chosen(self.t, x) if outcome.has_solution else None
+            if not outcome.has_solution:  # every placement has been evaluated
+                bound = self.U if outcome.proven or not outcome.limited else bound
+                break
+            if outcome.proven:
+                bound = max(bound, min(self.U, _bound(outcome, last, self.t)))
+            if last is not None and tuple(last) not in self.seen:
+                self.offer(last)
+                self.polish()
+            detail = outcome.detail
+        status: StepStatus = "time_limit" if limited else "bounded"
+        note = f"{detail}; {rounds} no-good round(s), {self.evaluated} placements evaluated"
+        return self.answer(status, bound, "bound+simulation", note)
+
+    def polish(self) -> None:
+        """Move one split point by ±1 or ±2 while the step improves (and memory fits)."""
+        if self.best is None:
+            return
+        budget, improved, S = POLISH_BUDGET, True, self.t.S
+        while improved and budget > 0 and time.perf_counter() < self.deadline:
+            improved = False
+            for k in range(1, S):
+                for delta in (-1, 1, -2, 2):
+                    idx = list(self.best)
+                    idx[k] += delta
+                    if not idx[k - 1] < idx[k] < idx[k + 1]:
+                        continue
+                    if tuple(idx) in self.seen or not self.t.fits_all(idx) or budget <= 0:
+                        continue
+                    budget -= 1
+                    before = self.U
+                    self.offer(idx)
+                    if before > self.U:
+                        improved = True
+                        break
+
+
+def _bound(outcome: Outcome, path: list[int] | None, t: StepTable) -> float:
+    """The MILP's proven lower bound on the graph's value: its optimum, or its dual bound."""
+    if outcome.proven and path is not None:
+        return max(outcome.bound or 0.0, t.graph_times(path)[0] * (1 - MIP_REL_GAP))
+    return max(outcome.bound or 0.0, 0.0)

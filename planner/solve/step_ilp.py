@@ -1,0 +1,211 @@
+"""The step MILP: the placement's segments as binaries, the step's graph as longest-path rows.
+
+[Note: the step MILP] One binary ``x[s,a,b]`` per surviving segment, chained
+as a path from block 0 to block n (the flow rows of :mod:`planner.solve`).
+Each figure q of stage s is a continuous ``F[s,q] = Σ x[s,a,b]·fig(s,a,b)_q``,
+each link figure ``C[s,q] = Σ x[s,a,b]·cut(s,b)_q``. Every node v of the
+step's graph has a start ``t_v ≥ 0`` and an end ``e_v = t_v + Σ terms``::
+
+    minimise    T
+    subject to  t_v ≥ e_u                 for every edge u → v
+                T ≥ e_v                   for every end node v
+                T ≥ Σ row terms           for every further row
+                T ≥ Σ_{a,b} x[s,a,b]·bound(s,a,b)    for every stage s
+
+At a fixed placement the smallest feasible T is the graph's longest path:
+the MILP minimises the step itself, not a formula for it. Joined stages (tied
+tensors) add, for each pair of stages g ≠ s, a ``z[g,s] ∈ [0, 1]`` forced to 1
+when both hold users of one tensor (``z ≥ h[g,u] + h[s,u'] − 1`` with
+``h[s,u] = Σ x`` over stage s's segments holding block u, and transitively
+``z[g,s] ≥ z[g,k] + z[k,s] − 1``), and ``t_waiter(s) ≥ e_awaited(g) − M·(1 − z)``:
+minimising leaves z at 0 unless a join is forced, so the rows are exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import pulp
+
+from planner.solve.step_table import Layers, StepTable, value
+
+__all__ = ["build_step_ilp", "chosen"]
+
+_X = dict[tuple[int, int, int], pulp.LpVariable]
+
+
+def build_step_ilp(
+    t: StepTable, layers: Layers, start: Sequence[int] | None
+) -> tuple[pulp.LpProblem, _X]:
+    """The MILP of [Note: the step MILP] over ``layers``, with ``start`` as initial values."""
+    p, S = t.p, t.S
+    prob = pulp.LpProblem("step", pulp.LpMinimize)
+    new = getattr(prob, "add_variable", pulp.LpVariable)  # PuLP ≥ 3.3 owns its variables
+    x: _X = {(s, a, b): new(f"x_{s}_{a}_{b}", cat=pulp.LpBinary) for s, a, b in _segments(layers)}
+    _flow(prob, layers, x, t.K)
+    used_seg = {(i, q) for node in p.nodes for i, q, _ in node.seg} | {
+        (i, q) for row in p.rows for i, q, _ in row.seg
+    }
+    used_cut = {(i, q) for node in p.nodes for i, q, _ in node.cut} | {
+        (i, q) for row in p.rows for i, q, _ in row.cut
+    }
+    F = {(s, q): new(f"F_{s}_{q}", lowBound=0) for s, q in sorted(used_seg)}
+    C = {(s, q): new(f"C_{s}_{q}", lowBound=0) for s, q in sorted(used_cut)}
+    by_stage: list[list[tuple[int, int, pulp.LpVariable]]] = [[] for _ in range(S)]
+    for (s, a, b), v in x.items():
+        by_stage[s].append((a, b, v))
+    for (s, q), var in F.items():
+        terms = [(v, t.fig(s, a, b)[q]) for a, b, v in by_stage[s]]
+        prob += pulp.LpAffineExpression([*terms, (var, -1.0)]) == 0, f"fig_{s}_{q}"
+    for (s, q), var in C.items():
+        terms = [(v, t.cut(s, b)[q]) for a, b, v in by_stage[s]]
+        prob += pulp.LpAffineExpression([*terms, (var, -1.0)]) == 0, f"cut_{s}_{q}"
+    T = new("T", lowBound=0)
+    starts = [new(f"t_{v}", lowBound=0) if node.preds else None for v, node in enumerate(p.nodes)]
+
+    def end(v: int) -> pulp.LpAffineExpression:
+        node = p.nodes[v]
+        terms = [(F[i, q], c) for i, q, c in node.seg] + [(C[i, q], c) for i, q, c in node.cut]
+        sv = starts[v]
+        return pulp.LpAffineExpression(terms + ([(sv, 1.0)] if sv is not None else []))
+
+    ends = [end(v) for v in range(len(p.nodes))]
+    for v, node in enumerate(p.nodes):
+        sv = starts[v]
+        for u in node.preds:
+            prob += sv - ends[u] >= 0, f"edge_{u}_{v}"
+    for v in p.ends:
+        prob += T - ends[v] >= 0, f"end_{v}"
+    for k, row in enumerate(p.rows):
+        terms = [(F[i, q], c) for i, q, c in row.seg] + [(C[i, q], c) for i, q, c in row.cut]
+        prob += T - pulp.LpAffineExpression(terms) >= row.constant, f"row_{k}"
+    if p.seg_bound is not None:
+        for s in range(S):
+            terms = [(v, -t.bound(s, a, b)) for a, b, v in by_stage[s]]
+            prob += pulp.LpAffineExpression([(T, 1.0), *terms]) >= 0, f"bound_{s}"
+    z = _joins(prob, t, layers, x, starts, ends)
+    prob.setObjective(pulp.LpAffineExpression([(T, 1.0)]))
+    if start is not None:
+        _initial(t, start, x, F, C, starts, T, z)
+    return prob, x
+
+
+def _segments(layers: Layers) -> list[tuple[int, int, int]]:
+    return [(s, a, b) for s, layer in enumerate(layers) for a, row in layer.items() for b in row]
+
+
+def _flow(prob: pulp.LpProblem, layers: Layers, x: _X, K: int) -> None:
+    """One segment per stage, each starting where the previous one ends."""
+    out: dict[tuple[int, int], list[pulp.LpVariable]] = {}
+    into: dict[tuple[int, int], list[pulp.LpVariable]] = {}
+    for (s, a, b), v in x.items():
+        out.setdefault((s, a), []).append(v)
+        into.setdefault((s + 1, b), []).append(v)
+    S = len(layers)
+    for s, a in sorted(set(out) | set(into)):
+        if s == S:
+            continue
+        flow = [(v, 1.0) for v in out.get((s, a), [])] + [(v, -1.0) for v in into.get((s, a), [])]
+        prob += pulp.LpAffineExpression(flow) == (1 if s == 0 else 0), f"flow_{s}_{a}"
+
+
+def _joins(
+    prob: pulp.LpProblem,
+    t: StepTable,
+    layers: Layers,
+    x: _X,
+    starts: list[pulp.LpVariable | None],
+    ends: list[pulp.LpAffineExpression],
+) -> dict[tuple[int, int], pulp.LpVariable]:
+    """The join rows of [Note: the step MILP]; the z variables by stage pair."""
+    p, S = t.p, t.S
+    if not p.waiter or not p.tied or S == 1:
+        return {}
+    new = getattr(prob, "add_variable", pulp.LpVariable)
+    holds: dict[tuple[int, int], list[pulp.LpVariable]] = {}  # (stage, block) -> segments
+    users = sorted({u for tied in p.tied for u in tied})
+    for (s, a, b), v in x.items():
+        lo, hi = t.pos[a], t.pos[b]
+        for u in users:
+            if lo <= u < hi:
+                holds.setdefault((s, u), []).append(v)
+    z = {
+        (g, s): new(f"z_{g}_{s}", lowBound=0, upBound=1)
+        for g, s in itertools.combinations(range(S), 2)
+    }
+    for k, tied in enumerate(p.tied):
+        for u1, u2 in itertools.permutations(sorted(tied), 2):
+            for (g, s), var in z.items():
+                h1, h2 = holds.get((g, u1)), holds.get((s, u2))
+                if h1 and h2:
+                    terms = [(var, 1.0)] + [(v, -1.0) for v in h1 + h2]
+                    prob += pulp.LpAffineExpression(terms) >= -1, f"join_{k}_{u1}_{u2}_{g}_{s}"
+    for g, k, s in itertools.permutations(range(S), 3):
+        a, b, c = z[min(g, k), max(g, k)], z[min(k, s), max(k, s)], z[min(g, s), max(g, s)]
+        if g < s:
+            prob += c - a - b >= -1, f"chain_{g}_{k}_{s}"
+    M = _big_m(t, layers)
+    for (g, s), var in z.items():
+        for w, a in ((s, g), (g, s)):
+            sv = starts[p.waiter[w]]
+            if sv is None:
+                raise ValueError(f"the waiter node of stage {w} must wait for something")
+            prob += sv - ends[p.awaited[a]] - M * var >= -M, f"wait_{w}_{a}"
+    return z
+
+
+def _big_m(t: StepTable, layers: Layers) -> float:
+    """An upper bound on any node's end: every node at its largest duration, in a row."""
+    segs = [[(a, b) for a, row in layer.items() for b in row] for layer in layers]
+    top = [
+        [max(col) for col in zip(*(t.fig(s, a, b) for a, b in segs[s]), strict=True)]
+        for s in range(t.S)
+    ]
+    cuts = [
+        [max(col) for col in zip(*(t.cut(s, b) for _, b in segs[s]), strict=True)]
+        for s in range(t.S - 1)
+    ]
+    return 1.0 + sum(value(n.seg, top) + value(n.cut, cuts) for n in t.p.nodes)
+
+
+def _initial(
+    t: StepTable,
+    start: Sequence[int],
+    x: _X,
+    F: dict[tuple[int, int], pulp.LpVariable],
+    C: dict[tuple[int, int], pulp.LpVariable],
+    starts: list[pulp.LpVariable | None],
+    T: pulp.LpVariable,
+    z: dict[tuple[int, int], pulp.LpVariable],
+) -> None:
+    """Every variable's value at the placement ``start`` (index form): a feasible start."""
+    S = t.S
+    for v in x.values():
+        v.setInitialValue(0)
+    for s in range(S):
+        x[s, start[s], start[s + 1]].setInitialValue(1)
+    for (s, q), var in F.items():
+        var.setInitialValue(t.fig(s, start[s], start[s + 1])[q])
+    for (s, q), var in C.items():
+        var.setInitialValue(t.cut(s, start[s + 1])[q])
+    step, begin, _ = t.graph_times(start)
+    for v, var in enumerate(starts):
+        if var is not None:
+            var.setInitialValue(begin[v])
+    T.setInitialValue(step)
+    joined = {frozenset((g, s)) for grp in t.joined(start) for g in grp for s in grp if g != s}
+    for (g, s), var in z.items():
+        var.setInitialValue(1.0 if frozenset((g, s)) in joined else 0.0)
+
+
+def chosen(t: StepTable, x: _X) -> list[int] | None:
+    """The placement (index form) the solved MILP's binaries describe, or None."""
+    pick = {(s, a): b for (s, a, b), v in x.items() if (v.varValue or 0.0) > 0.5}
+    idx = [0]
+    for s in range(t.S):
+        b = pick.get((s, idx[-1]))
+        if b is None:
+            return None
+        idx.append(b)
+    return idx if idx[-1] == t.K else None

@@ -1,0 +1,223 @@
+"""A step problem's figures, memoised by position; the segments that survive; the graph's value.
+
+Positions ``pos[0] = 0 < pos[1] < … < pos[K] = n`` are the legal stage starts
+followed by the chain's end; a segment ``(s, a, b)`` is "stage s holds blocks
+[pos[a], pos[b])". A segment survives when it fits its stage's memory and its
+bound (``seg_bound``) does not exceed the best step found; the survivors form
+a layered DAG from (0, 0) to (S, K), one path per placement.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from bisect import bisect_right
+from collections.abc import Iterator, Sequence
+
+from planner.solve.step_problem import StepProblem, Term
+
+__all__ = ["TOL", "Layers", "StepTable"]
+
+TOL = 1e-9  # relative slack when comparing a bound with the best step found
+
+Layers = list[dict[int, list[int]]]
+"""Per stage: start index a -> the end indices b of its surviving segments."""
+
+
+class StepTable:
+    """Memoised figures, memory and bounds of a :class:`StepProblem`, by position index."""
+
+    def __init__(self, p: StepProblem) -> None:
+        n, S = p.n_blocks, p.n_stages
+        allowed = range(1, n) if p.allowed_starts is None else p.allowed_starts
+        self.p, self.n, self.S = p, n, S
+        self.pos = [0, *sorted(set(allowed) - {0}), n]
+        self.K = len(self.pos) - 1
+        labels = p.stage_class if p.stage_class is not None else range(S)
+        dense: dict[int, int] = {}
+        self.cls = [dense.setdefault(c, len(dense)) for c in labels]
+        self._fig: dict[tuple[int, int, int], tuple[float, ...]] = {}
+        self._cut: dict[tuple[int, int], tuple[float, ...]] = {}
+        self._mem: dict[tuple[int, int, int], float] = {}
+        self._bound: dict[tuple[int, int, int], float] = {}
+
+    # ----------------------------------------------------------------- memoised figures
+
+    def fig(self, s: int, a: int, b: int) -> tuple[float, ...]:
+        key = (self.cls[s], a, b)
+        v = self._fig.get(key)
+        if v is None:
+            v = self._fig[key] = _checked(
+                self.p.seg_figures(s, self.pos[a], self.pos[b]), f"seg_figures({s}, …)"
+            )
+        return v
+
+    def cut(self, s: int, b: int) -> tuple[float, ...]:
+        key = (s, b)
+        v = self._cut.get(key)
+        if v is None:
+            v = self._cut[key] = _checked(
+                self.p.cut_figures(s, self.pos[b]), f"cut_figures({s}, …)"
+            )
+        return v
+
+    def mem(self, s: int, a: int, b: int) -> float:
+        key = (s, a, b)
+        v = self._mem.get(key)
+        if v is None:
+            v = self._mem[key] = float(self.p.seg_memory(s, self.pos[a], self.pos[b]))
+        return v
+
+    def bound(self, s: int, a: int, b: int) -> float:
+        fn = self.p.seg_bound
+        if fn is None:
+            return 0.0
+        key = (s, a, b)
+        v = self._bound.get(key)
+        if v is None:
+            v = self._bound[key] = float(fn(s, self.pos[a], self.pos[b]))
+        return v
+
+    def fits(self, s: int, a: int, b: int) -> bool:
+        return self.mem(s, a, b) <= self.p.capacity[s]
+
+    # ----------------------------------------------------------------- placements
+
+    def indices(self, starts: Sequence[int]) -> list[int]:
+        """Position indices of a placement (with K appended); ValueError if malformed."""
+        where = {q: a for a, q in enumerate(self.pos[:-1])}
+        starts = list(starts)
+        if len(starts) != self.S or starts[0] != 0:
+            raise ValueError(f"starts must have {self.S} entries beginning with 0 (got {starts})")
+        if any(x >= y for x, y in itertools.pairwise(starts)):
+            raise ValueError(f"starts must increase strictly (got {starts})")
+        bad = [j for j in starts if j not in where]
+        if bad:
+            raise ValueError(f"starts {bad} are not allowed split points (or ≥ n_blocks)")
+        return [where[j] for j in starts] + [self.K]
+
+    def starts(self, idx: Sequence[int]) -> tuple[int, ...]:
+        return tuple(self.pos[a] for a in idx[:-1])
+
+    def fits_all(self, idx: Sequence[int]) -> bool:
+        return all(self.fits(s, idx[s], idx[s + 1]) for s in range(self.S))
+
+    def layers(self, U: float, keep: Sequence[Sequence[int]] = ()) -> Layers:
+        """The segments that fit memory and whose bound is ≤ U (those of ``keep`` always),
+        trimmed to those some full placement passes through."""
+        S, K, limit = self.S, self.K, U + TOL * max(1.0, abs(U))
+        must = {(s, idx[s], idx[s + 1]) for idx in keep for s in range(S)}
+        out: Layers = []
+        reach = {0}
+        for s in range(S):
+            layer: dict[int, list[int]] = {}
+            for a in sorted(reach):
+                top = K if s == S - 1 else K - S + s + 1
+                ends = [K] if s == S - 1 else range(a + 1, top + 1)
+                row = [
+                    b
+                    for b in ends
+                    if (s, a, b) in must or (self.bound(s, a, b) <= limit and self.fits(s, a, b))
+                ]
+                if row:
+                    layer[a] = row
+            out.append(layer)
+            reach = {b for row in layer.values() for b in row}
+        return _trim(out, K)
+
+    def count(self, layers: Layers) -> int:
+        """Placements through the layers (paths from (0, 0) to (S, K))."""
+        ways = {0: 1}
+        for layer in layers:
+            nxt: dict[int, int] = {}
+            for a, row in layer.items():
+                for b in row:
+                    nxt[b] = nxt.get(b, 0) + ways.get(a, 0)
+            ways = nxt
+        return ways.get(self.K, 0)
+
+    def paths(self, layers: Layers) -> Iterator[list[int]]:
+        """Every placement through the layers, in index form (depth first)."""
+        idx = [0]
+
+        def walk(s: int) -> Iterator[list[int]]:
+            if s == self.S:
+                yield list(idx)
+                return
+            for b in layers[s].get(idx[-1], []):
+                idx.append(b)
+                yield from walk(s + 1)
+                idx.pop()
+
+        yield from walk(0)
+
+    # ----------------------------------------------------------------- the graph
+
+    def joined(self, idx: Sequence[int]) -> list[list[int]]:
+        """Groups of stages joined by tied tensors under the placement (≥ 2 stages each)."""
+        starts = [self.pos[a] for a in idx[:-1]]
+        parent = list(range(self.S))
+
+        def root(s: int) -> int:
+            while parent[s] != s:
+                parent[s] = parent[parent[s]]
+                s = parent[s]
+            return s
+
+        for users in self.p.tied:
+            stages = sorted({bisect_right(starts, u) - 1 for u in users})
+            for s in stages[1:]:
+                parent[root(s)] = root(stages[0])
+        groups: dict[int, list[int]] = {}
+        for s in range(self.S):
+            groups.setdefault(root(s), []).append(s)
+        return [g for g in groups.values() if len(g) > 1]
+
+    def graph_times(self, idx: Sequence[int]) -> tuple[float, list[float], list[float]]:
+        """(the graph's longest path and rows, each node's start, each node's end)."""
+        S, p = self.S, self.p
+        figs = [self.fig(s, idx[s], idx[s + 1]) for s in range(S)]
+        cuts = [self.cut(s, idx[s + 1]) for s in range(S - 1)]
+        extra: dict[int, list[int]] = {}
+        if p.waiter:
+            for group in self.joined(idx):
+                for s in group:
+                    extra.setdefault(p.waiter[s], []).extend(p.awaited[g] for g in group)
+        starts: list[float] = []
+        ends: list[float] = []
+        for v, node in enumerate(p.nodes):
+            t = 0.0
+            for u in (*node.preds, *extra.get(v, ())):
+                t = max(t, ends[u])
+            starts.append(t)
+            ends.append(t + value(node.seg, figs) + value(node.cut, cuts))
+        T = max(ends[v] for v in p.ends)
+        for row in p.rows:
+            T = max(T, value(row.seg, figs) + value(row.cut, cuts) + row.constant)
+        return T, starts, ends
+
+
+def value(terms: Sequence[Term], figures: Sequence[Sequence[float]]) -> float:
+    """Σ coefficient · figure over ``terms``."""
+    return sum(c * figures[i][q] for i, q, c in terms)
+
+
+def _checked(values: Sequence[float], what: str) -> tuple[float, ...]:
+    out = tuple(float(v) for v in values)
+    if not all(v >= 0 and math.isfinite(v) for v in out):
+        raise ValueError(f"{what} returned {values!r}: figures must be finite numbers ≥ 0")
+    return out
+
+
+def _trim(layers: Layers, K: int) -> Layers:
+    """Drop segments no full placement passes through."""
+    out: Layers = []
+    live = {K}
+    for layer in reversed(layers):
+        kept = {a: [b for b in row if b in live] for a, row in layer.items()}
+        out.append({a: row for a, row in kept.items() if row})
+        live = set(out[-1])
+    out.reverse()
+    if 0 not in out[0]:
+        return [{} for _ in layers]
+    return out

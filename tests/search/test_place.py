@@ -1,0 +1,176 @@
+"""The placement the search prints is the fastest there is: the step solver against brute force.
+
+Every contiguous placement of small random models is priced by the full cost
+model (``CostModel.predict``: GPipe and 1F1B, dp > 1, tied weights, memory
+with recompute, local CPU processes sharing cores, mixed devices, two nodes);
+the solver's step must equal the least of them where it says "optimal", and
+its bound may never exceed it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from planner.cost import CostModel, Layout
+from planner.devices import cluster as cluster_module
+from planner.devices.build import assemble, from_gpus
+from planner.devices.catalogue import Device
+from planner.devices.cluster import Cluster
+from planner.devices.cluster_file import parse_cluster
+from planner.options import SearchOptions, Training
+from planner.plan.records import BlockCost, ModelProfile, TiedSet
+from planner.search import layouts
+from planner.search.loop import place
+from planner.solve import step as step_module
+
+MB = 2**20
+REL = 1e-9
+
+
+def _profile(rng: random.Random, n: int, device: str, speed: float, tied: bool) -> ModelProfile:
+    blocks = tuple(
+        BlockCost(
+            index=k,
+            name=f"b{k}",
+            modules=(f"b{k}",),
+            fwd_ms=rng.uniform(0.2, 3.0) / speed,
+            bwd_ms=rng.uniform(0.4, 6.0) / speed,
+            param_bytes=rng.choice([0, 1, 4, 16, 64]) * MB,
+            activation_bytes=rng.choice([1, 8, 32]) * MB,
+            output_bytes=MB,
+            boundary_bytes=0 if k == 0 else rng.choice([1, 2, 8, 32]) * MB,
+        )
+        for k in range(n)
+    )
+    users = (0, n - 1) if rng.random() < 0.5 else (rng.randrange(n - 1), n - 1)
+    ties = (TiedSet(names=("a.w", "b.w"), blocks=users, nbytes=16 * MB),) if tied else ()
+    return ModelProfile(
+        fingerprint="f",
+        source="analytic",
+        device=device,
+        batch_size=4,
+        dtype="float32",
+        threads=0,
+        capture="export",
+        blocks=blocks,
+        tied=ties,
+        input_bytes=MB,
+        loss_fwd_ms=0.3 / speed,
+        loss_bwd_ms=0.2 / speed,
+    )
+
+
+def _cpu(n: int) -> Cluster:
+    cpu = Device(
+        key="cpu",
+        name="test CPU",
+        kind="cpu",
+        memory_bytes=64 * 2**30,
+        peak_flops={"fp32": 1e11, "tf32": 1e11, "bf16": 1e11, "fp16": 1e11},
+        memory_bandwidth=20e9,
+        nvlink_bandwidth=0.0,
+        pcie_bandwidth=20e9,
+        compute_efficiency=1.0,
+        memory_efficiency=1.0,
+        op_overhead_s=1e-6,
+        source="test",
+    )
+    return assemble(None, [[(cpu, 1)] * n], {})
+
+
+@contextmanager
+def _cores(n: int) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cluster_module, "usable_cores", lambda: n)
+        yield
+
+
+def _cluster(kind: str, devices: int) -> Cluster:
+    if kind == "cpu":
+        return _cpu(devices)
+    if kind == "mixed":
+        half = devices // 2
+        return parse_cluster(
+            {"nodes": [{"type": "a100-80gb", "count": half}, {"type": "v100-32gb", "count": half}]}
+        )
+    if kind == "two-nodes":
+        return from_gpus(16, "h100")
+    if kind == "small-memory":
+        return from_gpus(devices, "h100", memory_gib=0.45)
+    return from_gpus(devices, "h100")
+
+
+def _instance(seed: int, kind: str) -> CostModel:
+    rng = random.Random(seed)
+    n = rng.randint(4, 9)
+    pp = rng.choice([p for p in (2, 3, 4) if p <= n])
+    dp = rng.choice([1, 2])
+    schedule = rng.choice(["gpipe", "1f1b"])
+    m = rng.choice([pp, pp + 1, 2 * pp]) if schedule == "1f1b" else rng.choice([1, 2, 3, 4])
+    cluster = _cluster(kind, 4 * dp if kind == "mixed" else pp * dp)
+    grid = rng.choice(layouts(cluster, pp, dp))[1]
+    tied = rng.random() < 0.5
+    types = sorted({cluster.devices[r].device.key for st in grid for r in st})
+    profiles = {
+        t: _profile(random.Random(seed), n, t, 1.0 + 0.5 * k, tied) for k, t in enumerate(types)
+    }
+    layout = Layout(pp=pp, dp=dp, micro_batches=m, schedule=schedule, ranks=grid)
+    return CostModel(profiles, cluster, Training(global_batch=4 * dp * m), layout)
+
+
+def _brute_force(cost: CostModel) -> float | None:
+    best = None
+    for cuts in itertools.combinations(range(1, cost.n_blocks), cost.layout.pp - 1):
+        pred = cost.predict((0, *cuts))
+        if pred.fits and (best is None or pred.step_ms < best):
+            best = pred.step_ms
+    return best
+
+
+def _check(cost: CostModel) -> str:
+    best = _brute_force(cost)
+    if best is None:
+        return "infeasible"
+    sol = place(cost, SearchOptions(time_limit_s=30))
+    assert sol.step == pytest.approx(cost.predict(sol.starts).step_ms, rel=REL)
+    assert cost.predict(sol.starts).fits
+    assert sol.bound <= best * (1 + REL), (sol, best)
+    assert sol.step >= best * (1 - REL)
+    if sol.status == "optimal":
+        assert sol.step == pytest.approx(best, rel=REL), (sol, best)
+    return sol.status
+
+
+KINDS = ["h100", "two-nodes", "mixed", "small-memory"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_step_solver_finds_the_fastest_placement(kind: str) -> None:
+    statuses = [_check(_instance(seed, kind)) for seed in range(12)]
+    assert all(s in ("optimal", "infeasible") for s in statuses), statuses
+    assert statuses.count("optimal") >= 6
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_step_milp_alone_finds_the_fastest_placement(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)  # no enumeration: the MILP proves it
+    statuses = [_check(_instance(100 + seed, kind)) for seed in range(12)]
+    assert all(s in ("optimal", "infeasible") for s in statuses), statuses
+    assert statuses.count("optimal") >= 6
+
+
+def test_shared_cores_are_bounded_and_enumerated_when_few(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _cores(2):
+        statuses = [_check(_instance(200 + seed, "cpu")) for seed in range(10)]
+        assert all(s == "optimal" for s in statuses if s != "infeasible"), statuses
+        monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
+        monkeypatch.setattr(step_module, "ENUMERATE_S", 0.0)
+        statuses = [_check(_instance(300 + seed, "cpu")) for seed in range(10)]
+    assert set(statuses) <= {"optimal", "bounded", "infeasible"}, statuses

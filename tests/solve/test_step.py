@@ -1,0 +1,168 @@
+"""The step solver on its own: random graphs against brute force, bounds, limits and errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from planner.solve import PartitionInfeasible
+from planner.solve import step as step_module
+from planner.solve.step import solve_step
+from planner.solve.step_problem import GraphNode, Row, StepProblem
+from planner.solve.step_table import StepTable
+
+REL = 1e-9
+
+
+def _problem(seed: int, *, exact: bool = True, memory: bool = False) -> StepProblem:
+    """A random DAG over S stages' (work, tail) figures and the links' figure; with
+    ``exact=False`` the step is 10 % slower than the graph on uneven placements."""
+    rng = random.Random(seed)
+    n, S = rng.randint(4, 10), rng.randint(2, 4)
+    S = min(S, n)
+    work = [rng.uniform(0.1, 3) for _ in range(n)]
+    tail = [rng.uniform(0, 1) for _ in range(n)]
+    link = [rng.uniform(0, 1) for _ in range(n + 1)]
+    nodes: list[GraphNode] = []
+    for s in range(S):  # a chain of computes, each stage twice (a two-micro-batch pipeline)
+        for k in range(2):
+            preds = tuple(
+                v for v in (len(nodes) - 1, len(nodes) - 2) if v >= 0 and rng.random() < 0.8
+            )
+            cut = ((s - 1, 0, 1.0),) if s and k == 0 else ()
+            nodes.append(GraphNode(preds=preds, seg=((s, 0, 1.0),), cut=cut))
+    ends = []
+    for s in range(S):
+        nodes.append(GraphNode(preds=(2 * s + 1,), seg=((s, 1, 1.0),)))
+        ends.append(len(nodes) - 1)
+    cap = [2.5 if memory else math.inf] * S
+
+    def figures(s: int, i: int, j: int) -> tuple[float, float]:
+        return sum(work[i:j]), max(tail[i:j])
+
+    table: dict[str, StepTable] = {}
+
+    def evaluate(starts: tuple[int, ...]) -> float:
+        t = table["t"]
+        graph = t.graph_times(t.indices(starts))[0]
+        if exact:
+            return graph
+        sizes = [b - a for a, b in itertools.pairwise([*starts, n])]
+        return graph * (1.1 if max(sizes) - min(sizes) > 1 else 1.0)
+
+    p = StepProblem(
+        n_blocks=n,
+        n_stages=S,
+        seg_figures=figures,
+        cut_figures=lambda s, j: (link[j],),
+        seg_memory=lambda s, i, j: sum(work[i:j]),
+        capacity=cap,
+        nodes=nodes,
+        ends=ends,
+        evaluate=evaluate,
+        exact=exact,
+        rows=(Row(seg=tuple((s, 0, 0.5) for s in range(S))),),
+    )
+    table["t"] = StepTable(p)
+    return p
+
+
+def _brute(p: StepProblem) -> float | None:
+    best = None
+    for cuts in itertools.combinations(range(1, p.n_blocks), p.n_stages - 1):
+        starts = (0, *cuts)
+        bounds = [*starts, p.n_blocks]
+        if any(
+            p.seg_memory(s, bounds[s], bounds[s + 1]) > p.capacity[s] for s in range(p.n_stages)
+        ):
+            continue
+        t = p.evaluate(starts)
+        best = t if best is None or t < best else best
+    return best
+
+
+@pytest.mark.parametrize("enumerate_max", [0, 10**6])
+def test_exact_problems_are_solved_to_the_brute_force_optimum(
+    enumerate_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(step_module, "ENUMERATE_MAX", enumerate_max)
+    for seed in range(30):
+        p = _problem(seed, memory=seed % 3 == 0)
+        best = _brute(p)
+        if best is None:
+            with pytest.raises(PartitionInfeasible):
+                solve_step(p)
+            continue
+        sol = solve_step(p)
+        assert sol.status == "optimal"
+        assert sol.method == ("milp" if enumerate_max == 0 else "enumeration")
+        assert sol.step == pytest.approx(best, rel=REL)
+        assert sol.step == pytest.approx(p.evaluate(sol.starts), rel=REL)
+        assert best * (1 - 1e-6) <= sol.bound <= best * (1 + REL)
+
+
+def test_bounded_problems_never_claim_more_than_they_prove(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
+    monkeypatch.setattr(step_module, "ENUMERATE_S", 0.0)
+    seen = set()
+    for seed in range(30):
+        p = _problem(seed, exact=False)
+        best = _brute(p)
+        assert best is not None
+        sol = solve_step(p)
+        seen.add(sol.status)
+        assert sol.bound <= best * (1 + REL), (seed, sol)
+        assert sol.step >= best * (1 - REL)
+        assert sol.gap == pytest.approx((sol.step - sol.bound) / sol.step)
+        if sol.status == "optimal":
+            assert sol.step == pytest.approx(best, rel=REL)
+    assert "optimal" in seen
+
+
+def test_few_rounds_leave_the_gap_open_and_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
+    monkeypatch.setattr(step_module, "ENUMERATE_S", 0.0)
+    monkeypatch.setattr(step_module, "GAP_ROUNDS", 0)
+    monkeypatch.setattr(step_module, "POLISH_BUDGET", 0)
+    statuses = {solve_step(_problem(seed, exact=False)).status for seed in range(30)}
+    assert "bounded" in statuses
+
+
+def test_warm_starts_are_checked_and_memory_is_kept() -> None:
+    p = _problem(3, memory=True)
+    t = StepTable(p)
+    with pytest.raises(ValueError, match="starts must"):
+        solve_step(p, warm_starts=[(1, 2)])
+    sol = solve_step(p, warm_starts=[(0, *range(1, p.n_stages))])
+    assert t.fits_all(t.indices(sol.starts))
+    with pytest.raises(ValueError, match="time_limit_s"):
+        solve_step(p, time_limit_s=0)
+
+
+def test_an_exact_problem_whose_step_disagrees_with_its_graph_is_a_bug(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dataclasses
+
+    monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
+    p = _problem(4)
+    wrong = dataclasses.replace(p, evaluate=lambda starts: p.evaluate(starts) + 1.0)
+    with pytest.raises(AssertionError, match="exact=True"):
+        solve_step(wrong)
+
+
+def test_problems_are_validated() -> None:
+    p = _problem(1)
+    import dataclasses
+
+    with pytest.raises(ValueError, match="nodes must come in order"):
+        dataclasses.replace(p, nodes=[GraphNode(preds=(0,))])
+    with pytest.raises(ValueError, match="ends must name nodes"):
+        dataclasses.replace(p, ends=[len(p.nodes)])
+    with pytest.raises(ValueError, match="capacity"):
+        dataclasses.replace(p, capacity=[1.0])
+    with pytest.raises(ValueError, match="waiter and awaited"):
+        dataclasses.replace(p, waiter=[0], awaited=[])
