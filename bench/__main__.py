@@ -1,4 +1,4 @@
-"""Run the benchmarks: python -m bench all|plan|scaling|runtime|accuracy|soak [--quick].
+"""Run the benchmarks: python -m bench all|plan|optimality|scaling|runtime|accuracy|soak [--quick].
 
 ``all`` runs every section in turn; each writes its own bench/results/*.json,
 and this writes bench/results/summary.json (per section: status, wall time,
@@ -41,6 +41,9 @@ class Section:
 
 SECTIONS: dict[str, Section] = {
     "plan": Section(("bench.bench_plan",), 240, "plan quality against today's partitioners"),
+    "optimality": Section(
+        ("bench.bench_optimality",), 600, "the plan against every placement and the released peers"
+    ),
     "scaling": Section(
         ("bench.bench_scaling", "bench.bench_solver"), 180, "planning time; the ILP alone"
     ),
@@ -48,7 +51,7 @@ SECTIONS: dict[str, Section] = {
     "accuracy": Section(("bench.bench_accuracy",), 420, "predicted against measured"),
     "soak": Section(("bench.soak",), 90, "long runs, restarts"),
 }
-QUICK_TOTAL_S = 20 * 60
+QUICK_TOTAL_S = 30 * 60
 
 
 @dataclass

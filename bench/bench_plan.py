@@ -239,15 +239,23 @@ def _config(lay: Any) -> str:
     return f"pp {lay.pp} × dp {lay.dp}, m {lay.micro_batches}, {lay.schedule}"
 
 
-def compare(plan: Any, cluster: Any, training: Any, search_options: Any) -> dict[str, Any]:
-    """Every baseline at the plan's configuration and at its own best one (see module doc).
+def plan_layout(plan: Any) -> Any:
+    """The Layout (pp, dp, m, schedule, ranks) a plan trains with."""
+    from planner.cost import Layout
 
-    The baselines split by the profile of the first device type by name (on the
-    mixed cluster the A100's), as a user profiling on one device would.
-    """
-    from planner.cost import CostModel, Layout
+    return Layout(
+        pp=plan.pp,
+        dp=plan.dp,
+        micro_batches=plan.micro_batches,
+        schedule=plan.schedule,
+        ranks=tuple(s.ranks for s in plan.stages),
+    )
+
+
+def cost_models(plan: Any, cluster: Any, training: Any) -> Any:
+    """layout -> its CostModel, from the profiles the plan keeps (as the search priced it)."""
+    from planner.cost import CostModel
     from planner.profile.sizes import at_batch_size
-    from planner.search import configurations, layouts
 
     anchors: dict[str, list[Any]] = {}
     for p in plan.profiles:
@@ -264,14 +272,21 @@ def compare(plan: Any, cluster: Any, training: Any, search_options: Any) -> dict
         types = sorted({cluster.devices[r].device.key for st in layout.ranks for r in st})
         return CostModel({t: profile_for(t, b) for t in types}, cluster, training, layout)
 
+    return cost_model
+
+
+def compare(plan: Any, cluster: Any, training: Any, search_options: Any) -> dict[str, Any]:
+    """Every baseline at the plan's configuration and at its own best one (see module doc).
+
+    The baselines split by the profile of the first device type by name (on the
+    mixed cluster the A100's), as a user profiling on one device would.
+    """
+    from planner.cost import Layout
+    from planner.search import configurations, layouts
+
+    cost_model = cost_models(plan, cluster, training)
     ours_ms = plan.predicted.step_ms
-    ours = Layout(
-        pp=plan.pp,
-        dp=plan.dp,
-        micro_batches=plan.micro_batches,
-        schedule=plan.schedule,
-        ranks=tuple(s.ranks for s in plan.stages),
-    )
+    ours = plan_layout(plan)
     out: dict[str, dict[str, Any]] = {}
     cm = cost_model(ours)
     # A check on this bench: rebuilt from the plan's profiles, the cost model
