@@ -30,7 +30,7 @@ from torch import nn
 
 from planner.capture.liveness import Live, crossing, liveness, non_tensor_crossing, tensor_bytes
 from planner.capture.tied import param_identity, tied_sets
-from planner.capture.trace import Captured, ModuleCall
+from planner.capture.trace import Captured, ModuleCall, TensorInfo
 
 __all__ = ["Block", "BlockChain", "SplitPointExcluded", "build_blocks"]
 
@@ -66,6 +66,7 @@ class Block:
             model's output), in graph order.
         params: attribute targets (``get_attr``) the block reads.
         boundary_bytes: bytes of every tensor live across this block's start.
+        crossing: those tensors, described: "name: dtype[shape]" as traced.
         output_bytes: bytes of ``outputs``.
         weight: the work estimate the granularity rule used.
     """
@@ -78,6 +79,7 @@ class Block:
     outputs: list[torch.fx.Node] = field(default_factory=list)
     params: list[str] = field(default_factory=list)
     boundary_bytes: int = 0
+    crossing: list[str] = field(default_factory=list)
     output_bytes: int = 0
     weight: float = 0.0
 
@@ -325,11 +327,21 @@ def _make_blocks(
             outputs=outputs,
             params=params,
             boundary_bytes=sum(tensor_bytes(cap, n) for n in crossing(live, p)) if k else 0,
+            crossing=[_described(cap, n) for n in crossing(live, p)] if k else [],
             output_bytes=sum(tensor_bytes(cap, n) for n in outputs),
             weight=sum(weights[p:q]),
         )
         blocks.append(block)
     return blocks
+
+
+def _described(cap: Captured, node: torch.fx.Node) -> str:
+    """ "x: float32[4, 64, 256]" (a split point's crossings are tensors: blockers excluded)."""
+    info = cap.values.get(node)
+    if isinstance(info, TensorInfo):
+        dtype = str(info.dtype).removeprefix("torch.")
+        return f"{node.name}: {dtype}[{', '.join(str(int(d)) for d in info.shape)}]"
+    return f"{node.name}: {info}"
 
 
 def _maximal_calls(roots: list[_Call], p: int, q: int) -> list[str]:

@@ -234,8 +234,8 @@ def _events(graph: StepGraph, values: Mapping[str, list[float]], times: Times) -
         if node.compute:
             events.append(Event(s, node.kind, k, start, done))
             if end > done:  # the last backward's all-reduce
-                events.append(Event(s, "sync", -1, done, end))
+                events.append(Event(s, "reduce", -1, done, end))
         elif end > start:
-            events.append(Event(s, "sync" if node.kind == "tail" else node.kind, k, start, end))
+            events.append(Event(s, node.kind, k, start, end))
     events.sort(key=lambda e: (e.start, e.stage, e.kind))
     return events

@@ -43,6 +43,8 @@ class BlockCost(Record):
         boundary_bytes: bytes of every tensor live across this block's split
             point (skip connections and model inputs included): what a stage
             starting here receives per micro-batch. 0 for block 0.
+        crossing: those tensors as traced ("name: dtype[shape]", at the
+            micro-batch size of the capture); empty in older profiles.
         fwd_flops: forward FLOPs (``torch.utils.flop_counter``'s count).
         bwd_flops: backward FLOPs.
         fwd_bytes_moved: bytes read and written by the forward's operators (the
@@ -59,6 +61,7 @@ class BlockCost(Record):
     activation_bytes: int
     output_bytes: int
     boundary_bytes: int
+    crossing: tuple[str, ...] = ()
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     fwd_bytes_moved: float = 0.0

@@ -20,8 +20,9 @@ class Event:
     """One interval of the timeline (milliseconds from the step's start).
 
     ``kind`` is "F", "B" (compute on ``stage``), "send_F" / "send_B" (a transfer
-    on the link leaving ``stage`` forward / backward) or "sync" (the gradient
-    all-reduce and the optimizer step).
+    on the link leaving ``stage`` forward / backward), "reduce" (DDP's gradient
+    all-reduce across the replicas, at the end of the last backward) or "tail"
+    (after it: the tied weights' exchange, the optimizer step).
     """
 
     stage: int
@@ -64,9 +65,11 @@ class Timeline:
 
 
 def event_name(e: Event) -> str:
-    """The event's label: "F3", "B3", "send F3", "send B3", "sync"."""
+    """The event's label: "F3", "B3", "send F3", "send B3", "all-reduce", "tail"."""
     if e.kind.startswith("send_"):
         return f"send {e.kind[5:]}{e.micro_batch}"
+    if e.kind == "reduce":
+        return "all-reduce"
     return e.kind if e.micro_batch < 0 else f"{e.kind}{e.micro_batch}"
 
 
@@ -115,6 +118,11 @@ class ChromeTrace:
                 "args": args,
             }
         )
+
+    def instant(self, pid: int, name: str, at_ms: float, args: Any) -> None:
+        """A marker across the whole process at ``at_ms`` (e.g. where the step ends)."""
+        mark = {"name": name, "ph": "i", "s": "p", "pid": pid, "tid": 0, "ts": _us(at_ms)}
+        self._boxes.append({**mark, "args": args})
 
     def data(self, **other: Any) -> dict[str, Any]:
         """The trace: names first, then the boxes; ``other`` becomes ``otherData``."""

@@ -247,6 +247,7 @@ def _block_costs(
             activation_bytes=int(saved[k] * scale),
             output_bytes=int(block.output_bytes * scale),
             boundary_bytes=int(block.boundary_bytes * scale),
+            crossing=tuple(block.crossing),
             fwd_flops=times.fwd[k].flops,
             bwd_flops=times.bwd[k].flops,
             fwd_bytes_moved=times.fwd[k].bytes_moved,

@@ -29,14 +29,20 @@ from planner.report.format import (
 
 __all__ = [
     "CAND_COLS",
+    "CAND_NOTE",
+    "CUT_COLS",
     "MEM_COL",
     "STAGE_COLS",
+    "SUMMARY_NOTES",
     "Row",
     "candidate_rows",
+    "cut_rows",
+    "lane_label",
     "over_capacity",
     "stage_note",
     "stage_rows",
     "summary",
+    "tail_label",
     "timeline",
 ]
 
@@ -71,6 +77,22 @@ def timeline(plan: Plan) -> Timeline:
     )
 
 
+def lane_label(plan: Plan, stage: int) -> str:
+    """A timeline lane's name: every replica of a stage runs the same step, so one lane
+    stands for all of them, and says which ranks they are."""
+    ranks = plan.stages[stage].ranks
+    return f"stage {stage} · rank{'s' if len(ranks) > 1 else ''} {fmt_ranks(ranks)}"
+
+
+def tail_label(plan: Plan) -> str:
+    """What a stage's tail is in this plan: the optimizer step, after the tied weights'
+    exchange when stages share a tied tensor."""
+    tied = plan.step.join if plan.step is not None else None
+    if tied is None:  # a format 1 or 2 plan: its tail also holds the all-reduce
+        return "all-reduce, tied exchange, optimizer step"
+    return "tied-weight exchange + optimizer step" if tied else "optimizer step"
+
+
 def _cluster(plan: Plan) -> str:
     try:
         return from_record(plan.cluster).describe()
@@ -101,7 +123,7 @@ def _solver(plan: Plan) -> str:
         )
     elif sv.status == "optimal":
         how = _METHODS.get(sv.method, sv.method)
-        text = f"step proven optimal for this configuration ({how})"
+        text = "step proven optimal for this configuration" + (f" ({how})" if how else "")
     elif sv.status == "bounded" and sv.method == "milp":
         text = f"step within {gap} of optimal for this configuration{bound} (no proof: {sv.note})"
     elif sv.status == "bounded":
@@ -138,7 +160,11 @@ def summary(plan: Plan, tl: Timeline) -> list[tuple[str, str]]:
     ]
     if not math.isclose(pred.closed_form_ms, step, rel_tol=1e-4):
         rows.append(
-            ("closed form", f"{fmt_ms(pred.closed_form_ms)} ms vs simulated {fmt_ms(step)} ms")
+            (
+                "closed form",
+                f"{fmt_ms(pred.closed_form_ms)} ms (Σ work + (m − 1) × the slowest stage + "
+                f"the all-reduce, no overlap) vs simulated {fmt_ms(step)} ms",
+            )
         )
     if plan.step is None:
         rows.append(
@@ -162,6 +188,19 @@ STAGE_COLS += ["fwd ms>", "bwd ms>", "send ms>", "sync ms>"]
 STAGE_COLS += ["p+g+opt>", "activations>", "other>", "total / capacity>", "R"]
 MEM_COL = STAGE_COLS.index("total / capacity>")
 CAND_COLS = ["pp>", "dp>", "m>", "schedule", "step ms>", "status", "reason"]
+CAND_NOTE = (
+    "ranked: the solved configurations by predicted step, fastest first, then those that did "
+    "not fit or were pruned by a lower bound. A reason begins with the ranks' layout: "
+    "pipeline-inside (each replica's stages on consecutive ranks: stages talk over the "
+    "fastest links) or replicas-inside (each stage's replicas on consecutive ranks: its "
+    "all-reduce does)"
+)
+SUMMARY_NOTES = (
+    "step: the simulated step of the schedule (every action, transfer, all-reduce and "
+    "optimizer step in order); closed form: the flow-shop formula Σ work + (m − 1) × the "
+    "slowest stage + the all-reduce, which ignores overlap, shown where it differs; solver: "
+    "what is proven about the step, over every contiguous placement of this configuration"
+)
 
 
 def stage_note(unit: str) -> str:
@@ -198,6 +237,29 @@ def candidate_rows(plan: Plan) -> list[Row]:
         cells = [str(c.pp), str(c.dp), str(c.micro_batches), c.schedule, step, c.status, c.reason]
         rows.append((cells, "chosen" if c.status == "chosen" else ""))
     return rows
+
+
+CUT_COLS = ["stage>", "split point", "tensors received (as traced)", "bytes>", "send ms>"]
+
+
+def cut_rows(plan: Plan) -> tuple[list[Row], str]:
+    """Per split point: the tensors that cross it (from the profile's trace), their bytes
+    per micro-batch at the traced size, and the predicted transfer both ways; the note."""
+    anchor = plan.profiles[0] if plan.profiles else None
+    rows = []
+    for st in plan.stages[1:]:
+        block = anchor.blocks[st.blocks[0]] if anchor is not None else None
+        tensors = ", ".join(block.crossing) if block is not None and block.crossing else "—"
+        nbytes = fmt_bytes(block.boundary_bytes) if block is not None else "—"
+        send = plan.stages[st.index - 1].send_ms
+        rows.append(([str(st.index), st.split_point, tensors, nbytes, fmt_ms(send)], ""))
+    size = f"micro-batch {anchor.batch_size}" if anchor is not None else "no profile kept"
+    note = (
+        f"what stage k receives from stage k − 1, per micro-batch, traced at {size} (the "
+        f"plan's is {plan.micro_batch_size}); its gradients go back the same way; send: both "
+        "directions, predicted"
+    )
+    return rows, note
 
 
 def over_capacity(plan: Plan) -> list[str]:

@@ -12,14 +12,20 @@ from planner.plan.schema import Plan
 from planner.plan.timeline import Event, Timeline, event_name
 from planner.report.content import (
     CAND_COLS,
+    CAND_NOTE,
+    CUT_COLS,
     MEM_COL,
     STAGE_COLS,
+    SUMMARY_NOTES,
     Row,
     candidate_rows,
+    cut_rows,
+    lane_label,
     over_capacity,
     stage_note,
     stage_rows,
     summary,
+    tail_label,
     timeline,
 )
 from planner.report.format import OTHER, STATE, fmt_bytes, fmt_ms, fmt_pct, level
@@ -32,7 +38,8 @@ _KEY = {
     "B": ("#f58518", "backward"),
     "send_F": ("#9ecae9", "send activations"),
     "send_B": ("#ffbf79", "send gradients"),
-    "sync": ("#54a24b", "gradient all-reduce"),
+    "reduce": ("#54a24b", "gradient all-reduce across the replicas (DDP)"),
+    "tail": ("#8c6d31", "tail"),
     "params": ("#4c78a8", "params"),
     "grads": ("#72b7b2", "grads"),
     "optimizer": ("#b279a2", "optimizer"),
@@ -80,9 +87,10 @@ def _lane_y(e: Event, top: float, row: float) -> tuple[float, float]:
     return top + row * e.stage + 2, 20
 
 
-def _timeline_svg(tl: Timeline) -> str:
-    left, width, row, top = 70, 900, 34, 6
-    span = tl.step_ms if tl.step_ms > 0 else 1.0
+def _timeline_svg(plan: Plan, tl: Timeline) -> str:
+    left, width, row, top = 130, 860, 34, 20
+    step = plan.predicted.step_ms
+    span = max(tl.step_ms, step, 1e-9)
     height = top + row * tl.n_stages + 22
     out = [f'<svg width="{left + width + 30}" height="{height}" role="img">']
     for t in _ticks(span):
@@ -90,11 +98,21 @@ def _timeline_svg(tl: Timeline) -> str:
         out.append(f'<line x1="{x:.2f}" y1="{top}" x2="{x:.2f}" y2="{height - 16}" stroke="#ddd"/>')
         out.append(f'<text x="{x:.2f}" y="{height - 4}" text-anchor="middle">{t:g} ms</text>')
     for s in range(tl.n_stages):
-        out.append(f'<text x="4" y="{top + row * s + 16}">stage {s}</text>')
+        out.append(f'<text x="4" y="{top + row * s + 16}">{_e(lane_label(plan, s))}</text>')
+    end = left + step / span * width
+    out.append(
+        f'<line x1="{end:.2f}" y1="{top - 4}" x2="{end:.2f}" y2="{height - 16}" stroke="#c00" '
+        f'stroke-width="1.5" stroke-dasharray="4 3"><title>the predicted step ends at '
+        f"{_e(fmt_ms(step))} ms</title></line>"
+    )
+    out.append(
+        f'<text x="{end:.2f}" y="{top - 8}" text-anchor="end" fill="#c00">'
+        f"step {_e(fmt_ms(step))} ms</text>"
+    )
     for e in tl.events:
         x, w = left + e.start / span * width, (e.end - e.start) / span * width
         y, h = _lane_y(e, top, row)
-        name = event_name(e)
+        name = tail_label(plan) if e.kind == "tail" else event_name(e)
         tip = f"stage {e.stage} {name}: {fmt_ms(e.start)}–{fmt_ms(e.end)} ms"
         tip += f" ({fmt_ms(e.end - e.start)} ms)"
         out.append(_rect(x, y, w, h, _KEY.get(e.kind, ("#888", ""))[0], tip))
@@ -139,9 +157,11 @@ def _memory_svg(plan: Plan) -> str:
     return "\n".join([*out, "</svg>"])
 
 
-def _legend(*keys: str) -> str:
+def _legend(*keys: str, names: dict[str, str] | None = None) -> str:
+    said = names or {}
     spans = (
-        f'<span class="key" style="background:{_KEY[k][0]}"></span>{_e(_KEY[k][1])}' for k in keys
+        f'<span class="key" style="background:{_KEY[k][0]}"></span>{_e(said.get(k, _KEY[k][1]))}'
+        for k in keys
     )
     return f'<p class="note">{"".join(spans)}</p>'
 
@@ -164,12 +184,16 @@ def _html(plan: Plan) -> str:
     lines = "".join(
         f"<tr><td><b>{_e(k)}</b></td><td>{_e(v)}</td></tr>" for k, v in summary(plan, tl)
     )
+    kinds = [k for k in ("F", "B", "send_F", "send_B", "reduce", "tail") if _has(tl, k)]
     sections = [
         f"<h1>{_e(title)}</h1>",
         f'<table class="summary">{lines}</table>',
+        f'<p class="note">{_e(SUMMARY_NOTES)}</p>',
         "<h2>Pipeline timeline (one step, simulated)</h2>",
-        _legend("F", "B", "send_F", "send_B", "sync"),
-        _timeline_svg(tl),
+        _legend(*kinds, names={"tail": tail_label(plan)}),
+        _timeline_svg(plan, tl),
+        '<p class="note">one lane per stage: its replicas (the ranks named) run the same '
+        "timeline; the red line is where the plan's predicted step ends</p>",
         "<h2>Memory per device</h2>",
         _legend(*STATE, "activations", "other"),
         _memory_svg(plan),
@@ -177,10 +201,16 @@ def _html(plan: Plan) -> str:
         "<h2>Stages</h2>",
         _html_table(STAGE_COLS, rows, MEM_COL),
         f'<p class="note">{_e(stage_note(unit))}</p>',
+        _modules(plan),
     ]
+    if plan.pp > 1:
+        cuts, note = cut_rows(plan)
+        sections += ["<h2>What crosses each split point</h2>", _html_table(CUT_COLS, cuts)]
+        sections.append(f'<p class="note">{_e(note)}</p>')
     sections += [f'<p class="warn">{_e("over capacity: " + w)}</p>' for w in over_capacity(plan)]
     if plan.candidates:
         sections += ["<h2>Candidates</h2>", _html_table(CAND_COLS, candidate_rows(plan))]
+        sections.append(f'<p class="note">{_e(CAND_NOTE)}</p>')
     if plan.warnings:
         items = "".join(f"<li>warning: {_e(w)}</li>" for w in plan.warnings)
         sections += ["<h2>Warnings</h2>", f'<ul class="warn">{items}</ul>']
@@ -190,6 +220,21 @@ def _html(plan: Plan) -> str:
         + "\n".join(sections)
         + "\n</body></html>\n"
     )
+
+
+def _has(tl: Timeline, kind: str) -> bool:
+    return any(e.kind == kind for e in tl.events)
+
+
+def _modules(plan: Plan) -> str:
+    """Every stage's module calls, each list folded (a click opens it)."""
+    items = []
+    for st in plan.stages:
+        names = "".join(f"<li><code>{_e(m)}</code></li>" for m in st.modules)
+        start = st.split_point or "(input)"
+        head = f"stage {st.index}: {len(st.modules)} module calls from <code>{_e(start)}</code>"
+        items.append(f"<details><summary>{head}</summary><ol>{names}</ol></details>")
+    return "<h3>Modules per stage</h3>" + "".join(items)
 
 
 def write_html(plan: Plan, path: str | os.PathLike[str]) -> Path:

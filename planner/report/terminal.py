@@ -9,6 +9,7 @@ from rich.text import Text
 from planner.plan.schema import Plan
 from planner.report.content import (
     CAND_COLS,
+    CAND_NOTE,
     MEM_COL,
     STAGE_COLS,
     Row,
@@ -62,7 +63,7 @@ def print_plan(plan: Plan, *, console: Console | None = None) -> None:
     for line in over_capacity(plan):
         console.print(Text(f"over capacity: {line}", style="bold red"))
     if plan.candidates:
-        note = "ranked by the search; the chosen one in bold"
+        note = f"{CAND_NOTE}; the chosen one in bold"
         console.print(_rich_table("candidates", CAND_COLS, candidate_rows(plan), note))
     for w in plan.warnings:
         console.print(Text(f"warning: {w}", style="yellow"))

@@ -59,7 +59,9 @@ def ranked(tried: Sequence[Candidate], best: Layout, best_ms: float, keep: int) 
     rest = [c for c in others if c.status != "out_of_memory"]
     head = out[: max(keep - 2, 1)]
     tail = out[len(head) :] + oom[1:] + rest[1:]
-    return (head + oom[:1] + rest[:1] + tail)[:keep]
+    kept = (head + oom[:1] + rest[:1] + tail)[:keep]
+    # Shown ranked: the solved ones fastest first, then the rest in the order kept.
+    return [c for c in kept if c.step_ms is not None] + [c for c in kept if c.step_ms is None]
 
 
 def _with(c: Candidate, status: str, reason: str) -> Candidate:

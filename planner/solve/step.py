@@ -32,7 +32,15 @@ from planner.solve.step_ilp import build_step_ilp, chosen
 from planner.solve.step_problem import StepProblem, StepSolution, StepStatus
 from planner.solve.step_table import Layers, StepTable
 
-__all__ = ["ENUMERATE_MAX", "ENUMERATE_S", "GAP_ROUNDS", "GAP_S", "POLISH_BUDGET", "solve_step"]
+__all__ = [
+    "ENUMERATE_MAX",
+    "ENUMERATE_S",
+    "GAP_ROUNDS",
+    "GAP_S",
+    "POLISH_BUDGET",
+    "POLISH_SEEDS",
+    "solve_step",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +48,13 @@ ENUMERATE_MAX = 48
 """Placements at most that are evaluated one by one instead of solving the MILP (exact problems)."""
 ENUMERATE_S = 2.0
 """Seconds of evaluations at most spent on enumerating a bounded problem's placements."""
-POLISH_BUDGET = 200
-"""Evaluations at most spent on moving split points (bounded problems)."""
+POLISH_BUDGET = 400
+"""Evaluations at most spent on moving split points (bounded problems), each time."""
+POLISH_SEEDS = 2
+"""The best placements evaluated so far that the descent starts from."""
 GAP_ROUNDS = 25
 """MILP solves at most spent raising a bounded problem's bound (no-good rows)."""
-GAP_S = 2.0
+GAP_S = 3.0
 """Seconds at most spent raising a bounded problem's bound, after its first MILP."""
 
 
@@ -113,7 +123,7 @@ class _Run:
     eval_s: float = 0.0
     solver_s: float = 0.0
     n_segments: int = 0
-    seen: set[tuple[int, ...]] = field(default_factory=set)
+    steps: dict[tuple[int, ...], float] = field(default_factory=dict)  # every one evaluated
 
     def offer(self, idx: list[int]) -> float:
         """Evaluate a placement; keep it when it beats the incumbent."""
@@ -122,7 +132,7 @@ class _Run:
         step = float(self.t.p.evaluate(self.t.starts(idx)))
         self.eval_s += time.perf_counter() - started
         self.evaluated += 1
-        self.seen.add(key)
+        self.steps[key] = step
         if step < self.U * (1 - 1e-12) or self.best is None:
             self.best, self.U = list(idx), step
         return step
@@ -170,7 +180,7 @@ class _Run:
         """Evaluate every placement through the layers: the least is proven optimal."""
         count = self.t.count(layers)
         for idx in self.t.paths(layers):
-            if tuple(idx) not in self.seen:
+            if tuple(idx) not in self.steps:
                 self.offer(idx)
             if time.perf_counter() > self.deadline:
                 bound = self._graph_bound(layers)
@@ -201,7 +211,7 @@ class _Run:
         prob, x = build_step_ilp(self.t, layers, self.best)
         outcome = self.solve_milp(prob)
         path = chosen(self.t, x) if outcome.has_solution else None
-        if path is not None and tuple(path) not in self.seen:
+        if path is not None and tuple(path) not in self.steps:
             step = self.offer(path)
             graph = self.t.graph_times(path)[0]
             if self.t.p.exact and abs(step - graph) > 1e-6 * max(1.0, abs(step)):
@@ -226,10 +236,10 @@ class _Run:
         outcome: Outcome,
     ) -> StepSolution:
         """Bounded problems: polish the best placements, then raise the bound by no-goods."""
-        self.polish()
+        stop = min(self.deadline, time.perf_counter() + GAP_S)
+        self.polish(stop)
         rounds, detail, limited = 0, outcome.detail, outcome.limited
         last = chosen(self.t, x) if outcome.has_solution else None
-        stop = min(self.deadline, time.perf_counter() + GAP_S)
         while (
             outcome.proven
             and last is not None
@@ -249,35 +259,42 @@ class _Run:
                 break
             if outcome.proven:
                 bound = max(bound, min(self.U, _bound(outcome, last, self.t)))
-            if last is not None and tuple(last) not in self.seen:
+            if last is not None and tuple(last) not in self.steps:
                 self.offer(last)
-                self.polish()
+                self.polish(stop)
             detail = outcome.detail
         status: StepStatus = "time_limit" if limited else "bounded"
         note = f"{detail}; {rounds} no-good round(s), {self.evaluated} placements evaluated"
         return self.answer(status, bound, "bound+simulation", note)
 
-    def polish(self) -> None:
-        """Move one split point by ±1 or ±2 while the step improves (and memory fits)."""
-        if self.best is None:
-            return
-        budget, improved, S = POLISH_BUDGET, True, self.t.S
-        while improved and budget > 0 and time.perf_counter() < self.deadline:
+    def polish(self, stop: float) -> None:
+        """From each of the best few placements evaluated, move one split point at a time
+        to its best position between its neighbours (every one is tried: the step of a
+        shared-core machine has valleys a step of a few blocks does not cross), sweep
+        after sweep while the step improves; until ``POLISH_BUDGET`` evaluations (at
+        least 6 per block) or the clock at ``stop``."""
+        budget = [max(POLISH_BUDGET, 6 * self.t.K)]
+        for seed in sorted(self.steps, key=self.steps.__getitem__)[:POLISH_SEEDS]:
+            self._sweep(list(seed), budget, stop)
+
+    def _sweep(self, cur: list[int], budget: list[int], stop: float) -> None:
+        S, here = self.t.S, self.steps[tuple(cur)]
+        improved = True
+        while improved:
             improved = False
             for k in range(1, S):
-                for delta in (-1, 1, -2, 2):
-                    idx = list(self.best)
-                    idx[k] += delta
-                    if not idx[k - 1] < idx[k] < idx[k + 1]:
-                        continue
-                    if tuple(idx) in self.seen or not self.t.fits_all(idx) or budget <= 0:
-                        continue
-                    budget -= 1
-                    before = self.U
-                    self.offer(idx)
-                    if before > self.U:
-                        improved = True
-                        break
+                for a in range(cur[k - 1] + 1, cur[k + 1]):
+                    if budget[0] <= 0 or time.perf_counter() > stop:
+                        return
+                    idx = [*cur[:k], a, *cur[k + 1 :]]
+                    step = self.steps.get(tuple(idx))
+                    if step is None:
+                        if not self.t.fits_all(idx):
+                            continue
+                        budget[0] -= 1
+                        step = self.offer(idx)
+                    if step < here * (1 - 1e-12):
+                        cur, here, improved = idx, step, True
 
 
 def _bound(outcome: Outcome, path: list[int] | None, t: StepTable) -> float:

@@ -37,6 +37,11 @@ def test_crossing_bytes_with_a_skip_connection_are_exact() -> None:
     # At b: h (2×8×4 B = 64) and x (2×4×4 B = 32, read again at the end).
     # At c: y (64) + h (64) + x (32). (x[:, :1] is computed in c's block: after c.)
     assert [b.boundary_bytes for b in chain.blocks] == [0, 64 + 32, 64 + 64 + 32]
+    assert [b.crossing for b in chain.blocks] == [
+        [],
+        ["x: float32[2, 4]", "linear: float32[2, 8]"],
+        ["x: float32[2, 4]", "linear: float32[2, 8]", "linear_1: float32[2, 8]"],
+    ]
     assert [b.output_bytes for b in chain.blocks] == [64, 64, 2 * 8 * 4]
     assert [n.name for n in chain.blocks[2].inputs] == ["x", "linear", "linear_1"]
     assert chain.excluded == []

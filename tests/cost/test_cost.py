@@ -190,7 +190,7 @@ def test_tied_copy_is_charged_to_the_stage_without_the_owner() -> None:
     assert cm.sync(0, 0, 2) > cm.time.optimizer_ms(0, 0, 2)
     assert cm.time.tied_ms(0, 0, 4) == 0.0
     # The exchange is a collective: both stages start their tail together.
-    tails = [e for e in cm.predict((0, 2)).timeline.events if e.kind == "sync"]
+    tails = [e for e in cm.predict((0, 2)).timeline.events if e.kind == "tail"]
     assert len(tails) == 2 and tails[0].start == tails[1].start
 
 

@@ -61,3 +61,13 @@ def test_an_edited_step_is_called_out(cpu_plan: Plan) -> None:
     slower = dataclasses.replace(cpu_plan.step, fwd_ms=tuple(2 * x for x in cpu_plan.step.fwd_ms))
     text = _text(dataclasses.replace(cpu_plan, step=slower))
     assert "from the plan's simulation inputs (edited?)" in text
+
+
+def test_the_html_report_lists_what_crosses_each_split_point(
+    cpu_plan: Plan, tmp_path: Path
+) -> None:
+    page = write_html(cpu_plan, tmp_path / "plan.html").read_text()
+    assert "What crosses each split point" in page
+    block = cpu_plan.profiles[0].blocks[cpu_plan.stages[1].blocks[0]]
+    assert block.crossing and all("float32[" in t for t in block.crossing)
+    assert ", ".join(block.crossing) in page

@@ -29,6 +29,7 @@ from planner.plan import (
     save_plan,
 )
 from planner.report import print_plan, timeline, trace_events, write_html, write_trace
+from planner.report.format import fmt_ms
 
 GIB = 2**30
 CAPACITY = 79.6 * GIB
@@ -209,6 +210,13 @@ def test_write_html_is_one_self_contained_page(tmp_path):
     assert "http://" not in page and "https://" not in page
     assert "proven optimal" in page and "warning: 4 micro-batches" in page
     assert not list(tmp_path.glob("report/.*"))  # the temporary file was renamed away
+    # The step's end is marked, lanes say their ranks, every module is listed (folded),
+    # and the layouts and the closed form are explained.
+    plan = _plan()
+    assert f"step {fmt_ms(plan.predicted.step_ms)} ms</text>" in page
+    assert "stage 0 · ranks 0,1" in page and "stage 1 · ranks 2,3" in page
+    assert page.count("<details>") == 2 and "<li><code>head</code></li>" in page
+    assert "pipeline-inside (each replica" in page and "closed form: the flow-shop" in page
 
 
 def test_write_html_escapes_module_names(tmp_path):
@@ -227,20 +235,24 @@ def test_write_trace_is_chrome_trace_json_in_microseconds(tmp_path):
     assert len(boxes) == len(tl.events)
     kinds = sorted(e["cat"] for e in boxes)
     assert kinds == sorted(e.kind for e in tl.events)
-    assert {"F", "B", "send_F", "send_B", "sync"} == set(kinds)
+    assert {"F", "B", "send_F", "send_B", "tail"} == set(kinds)
     first_b = next(e for e in tl.events if e.kind == "B" and e.stage == 0 and e.micro_batch == 3)
     box = next(e for e in boxes if e["name"] == "B3" and e["tid"] == 0)
     assert box["ts"] == pytest.approx(first_b.start * 1000)
     assert box["dur"] == pytest.approx((first_b.end - first_b.start) * 1000)
     assert box["args"]["micro_batch"] == 3
     names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"}
-    assert names[0] == "stage 0" and names[1] == "stage 1"
+    assert names[0] == "stage 0 · ranks 0,1" and names[1] == "stage 1 · ranks 2,3"
     # Transfers sit on their own link threads, never on a stage's thread.
     for e in boxes:
         on = names[e["tid"]]
         assert on.startswith("link") == e["cat"].startswith("send_"), (e, on)
     assert {"link 0→1", "link 1→0"} <= set(names.values())
-    assert any(e["name"] == "send F2" for e in boxes) and any(e["name"] == "sync" for e in boxes)
+    assert any(e["name"] == "send F2" for e in boxes)
+    # A format 2 plan's tail holds the all-reduce too: the box says so.
+    assert any(e["name"] == "all-reduce, tied exchange, optimizer step" for e in boxes)
+    (end,) = [e for e in data["traceEvents"] if e["name"] == "step ends"]
+    assert end["ph"] == "i" and end["ts"] == pytest.approx(plan.predicted.step_ms * 1000)
     _assert_no_overlap(boxes)
 
 

@@ -72,6 +72,10 @@ def test_search_finds_a_plan_and_explains_the_candidates() -> None:
             assert "%" in c.reason
         if c.status == "pruned":
             assert "lower bound" in c.reason
+    # Ranked: the solved ones fastest first, then those without a step.
+    steps = [c.step_ms for c in res.candidates]
+    solved = [s for s in steps if s is not None]
+    assert solved == sorted(solved) and steps[: len(solved)] == solved
 
 
 def test_pins_are_respected() -> None:
