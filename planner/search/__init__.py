@@ -1,10 +1,11 @@
 """The search over pipeline depth, data-parallel width, micro-batches and schedule.
 
 ``configurations`` (what is considered, laid on the ranks, bounded),
-``partition`` (a layout's cost model as the solver's problem), ``loop``
-(:func:`search`), ``refine`` (polishing against the simulation), ``ranking``
-(the candidates a plan records), ``baselines`` (the partitioners people use
-today), ``messages`` (warnings, and why nothing was possible or fit).
+``partition`` (a layout's cost model as the solvers' problems: the step's and
+the closed form's), ``loop`` (:func:`search`, and :func:`~planner.search.loop.place`
+for one layout), ``ranking`` (the candidates a plan records), ``baselines``
+(the partitioners people use today), ``messages`` (warnings, and why nothing
+was possible or fit).
 
 Pure: no torch.
 """

@@ -24,6 +24,7 @@ Pure: no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -110,7 +111,7 @@ def search(
         types = sorted({cluster.devices[r].device.key for st in cfg.grid for r in st})
         cost = CostModel({t: profile_for(t, b) for t in types}, cluster, training, layout)
         try:
-            sol = place(cost, options, allowed_starts, block_names or ())
+            sol = place(cost, options, allowed_starts, block_names or (), prove=False)
         except PartitionInfeasible as exc:
             tried.append((cfg, candidate(cfg, None, "out_of_memory", first_line(exc))))
             oom_costs.append(cost)
@@ -125,11 +126,37 @@ def search(
     if not solved:
         records = [c for _, c in tried]
         raise ValueError(nothing_fits(records, oom_costs, cluster, training, options))
-    best = min(solved, key=lambda r: r.prediction.step_ms)
+    best = _proven(min(solved, key=lambda r: r.prediction.step_ms), options, allowed_starts, tried)
     best_ms = best.prediction.step_ms
     best.candidates = ranked([c for _, c in tried], best.layout, best_ms, options.keep)
     best.warnings = plan_warnings(best.layout, best.solution, best.prediction, options)
     return best
+
+
+def _proven(
+    best: SearchResult,
+    options: SearchOptions,
+    allowed: frozenset[int] | None,
+    tried: list[tuple[Config, Candidate]],
+) -> SearchResult:
+    """The chosen configuration, proven: a bounded problem searched only during the
+    search gets its MILP now (which may also find a faster placement: its candidate
+    row then says so)."""
+    if best.solution.method != "search":
+        return best
+    sol = place(best.cost, options, allowed, prove=True, starts=[best.starts])
+    pred = best.cost.predict(sol.starts)
+    for k, (cfg, cand) in enumerate(tried):
+        same = (cfg.pp, cfg.dp, cfg.m, cfg.schedule, cfg.grid) == (
+            best.layout.pp,
+            best.layout.dp,
+            best.layout.micro_batches,
+            best.layout.schedule,
+            best.layout.ranks,
+        )
+        if same and cand.step_ms is not None:
+            tried[k] = (cfg, dataclasses.replace(cand, step_ms=pred.step_ms))
+    return SearchResult(layout=best.layout, solution=sol, prediction=pred, cost=best.cost)
 
 
 def place(
@@ -137,8 +164,15 @@ def place(
     options: SearchOptions,
     allowed: frozenset[int] | None = None,
     names: Sequence[str] = (),
+    *,
+    prove: bool = True,
+    starts: Sequence[tuple[int, ...]] = (),
 ) -> StepSolution:
     """The placement of least simulated step for ``cost``'s layout, and its proof.
+
+    ``prove=False``: where stages share cores, search only (the bound's MILP
+    is left for the configuration the plan keeps: see ``solve_step``).
+    ``starts``: more placements to start from.
 
     The closed-form ILP's placement and the usual heuristics' (uniform,
     parameter- and time-balanced) are the step solver's warm starts; both
@@ -155,7 +189,7 @@ def place(
     """
     started = time.perf_counter()
     limit = options.time_limit_s
-    seeds = _heuristics(cost, allowed)
+    seeds = [*starts, *_heuristics(cost, allowed)]
     refused: PartitionInfeasible | None = None
     try:
         first = solve_partition(
@@ -171,6 +205,7 @@ def place(
             solver=options.solver,
             time_limit_s=left,
             warm_starts=seeds,
+            prove=prove,
         )
     except PartitionInfeasible:
         if refused is not None:

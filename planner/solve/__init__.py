@@ -1,4 +1,11 @@
-"""Place a chain of blocks on pipeline stages: an exact ILP over contiguous segments.
+"""Place a chain of blocks on pipeline stages: the step solver, and the closed-form ILP.
+
+The planner's placements come from the **step solver** (``step``,
+``step_problem``, ``step_table``, ``step_ilp``): :func:`planner.solve.step.solve_step`
+minimises the longest path of a step's graph, the number a plan prints (see
+[Note: the step MILP]). It starts from the placement of the **closed-form
+ILP** below, which minimises the flow-shop formula of a pipelined step: a fast,
+good placement, but not the step's optimum (it ignores how stages overlap).
 
 Usage::
 
@@ -69,11 +76,14 @@ __all__ = [
     "PartitionSolution",
     "PartitionTimeout",
     "SolverUnavailable",
+    "StepProblem",
+    "StepSolution",
     "check_solver",
     "evaluate",
     "exact_partition",
     "heuristic_partition",
     "solve_partition",
+    "solve_step",
 ]
 
 _WHERE = {
@@ -83,11 +93,14 @@ _WHERE = {
     "PartitionSolution": "problem",
     "PartitionTimeout": "problem",
     "SolverUnavailable": "problem",
+    "StepProblem": "step_problem",
+    "StepSolution": "step_problem",
     "check_solver": "partition",
     "evaluate": "segments",
     "exact_partition": "exact",
     "heuristic_partition": "feasible",
     "solve_partition": "partition",
+    "solve_step": "step",
 }
 
 if TYPE_CHECKING:
@@ -103,6 +116,8 @@ if TYPE_CHECKING:
         SolverUnavailable,
     )
     from planner.solve.segments import evaluate
+    from planner.solve.step import solve_step
+    from planner.solve.step_problem import StepProblem, StepSolution
 
 
 def __getattr__(name: str) -> Any:

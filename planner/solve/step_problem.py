@@ -160,7 +160,8 @@ class StepSolution:
         method: how: "milp" (the step MILP), "enumeration" (every placement
             left after pruning was evaluated), "bound+simulation" (a bounded
             problem: the MILP's bound, raised by evaluating the placements it
-            could not rule out).
+            could not rule out), "search" (a bounded problem searched only,
+            ``prove=False``: no bound).
         solver, solve_s, solver_s: the MILP solver, the whole call's seconds,
             and those inside the solver.
         n_segments: candidate stages (binaries) after pruning.

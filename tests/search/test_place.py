@@ -174,3 +174,32 @@ def test_shared_cores_are_bounded_and_enumerated_when_few(monkeypatch: pytest.Mo
         monkeypatch.setattr(step_module, "ENUMERATE_S", 0.0)
         statuses = [_check(_instance(300 + seed, "cpu")) for seed in range(10)]
     assert set(statuses) <= {"optimal", "bounded", "infeasible"}, statuses
+
+
+def test_shared_cores_are_searched_per_configuration_and_proven_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
+    monkeypatch.setattr(step_module, "ENUMERATE_S", 0.0)
+    with _cores(2):
+        cost = _instance(301, "cpu")
+        searched = place(cost, SearchOptions(), prove=False)
+        assert (searched.method, searched.status, searched.bound) == ("search", "bounded", 0.0)
+        proven = place(cost, SearchOptions(), starts=[searched.starts])
+        assert proven.method == "bound+simulation" and 0 < proven.bound <= proven.step
+        assert proven.step <= searched.step
+        # The search proves the configuration it keeps.
+        from planner.search import search
+
+        profile = cost.profile
+
+        res = search(
+            lambda device, b: profile,
+            cost.cluster,
+            Training(global_batch=cost.training.global_batch),
+            SearchOptions(
+                pp=cost.layout.pp, dp=cost.layout.dp, micro_batches=cost.layout.micro_batches
+            ),
+            n_blocks=cost.n_blocks,
+        )
+    assert res.solution.method != "search" and res.solution.bound > 0
