@@ -147,6 +147,7 @@ def test_scaling_grid_and_proof_record() -> None:
         "solver": "cbc",
         "search_s": 1.0,
         "ilp_s": 0.5,
+        "step_s": 0.4,
         "solver_s": 0.25,
         "configurations": 43,
         "candidates": {"solved": 12, "pruned": 30, "out_of_memory": 1},
@@ -154,7 +155,7 @@ def test_scaling_grid_and_proof_record() -> None:
         **rec,
     }
     line = bench_scaling.format_table([row]).splitlines()[-1]
-    assert line.startswith("| 32 | 8 | cbc | 1.0 | 0.5 | 0.2 | 43 (12 / 30 / 1) |")
+    assert line.startswith("| 32 | 8 | cbc | 1.0 | 0.5 | 0.4 | 0.2 | 43 (12 / 30 / 1) |")
     assert "2/3 not proven (gap ≤ 2.00%, 1 hit the limit)" in line
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pulp
@@ -38,6 +39,8 @@ __all__ = [
     "GAP_ROUNDS",
     "POLISH_BUDGET",
     "POLISH_SEEDS",
+    "PROVE_POLISH",
+    "RESTARTS",
     "solve_step",
 ]
 
@@ -51,6 +54,10 @@ POLISH_BUDGET = 400
 """Evaluations at most spent on moving split points (bounded problems; 6 per block if more)."""
 POLISH_SEEDS = 2
 """The best placements evaluated so far that the descent starts from."""
+PROVE_POLISH = 4
+"""How many times the budget the configuration a plan keeps is polished with."""
+RESTARTS = 8
+"""Random placements the kept configuration is also polished from."""
 BOUND_NODES = 400
 """Branch-and-bound nodes at most of a bounded problem's MILP: its job is a bound (valid
 wherever the search stops) and a placement to polish, not a proof (HiGHS; a count, so
@@ -256,7 +263,8 @@ class _Run:
         """Bounded problems: polish the best placements, then raise the bound by no-goods."""
         # Counted, not timed (the time limit aside): the same inputs give the same plan.
         stop = self.deadline
-        self.polish(stop)
+        self.polish_left = [PROVE_POLISH * max(POLISH_BUDGET, 6 * self.t.K)]
+        self.polish(stop, restarts=RESTARTS)
         rounds, detail, limited = 0, outcome.detail, outcome.limited
         last = chosen(self.t, x) if outcome.has_solution else None
         while (
@@ -286,35 +294,58 @@ class _Run:
         note = f"{detail}; {rounds} no-good round(s), {self.evaluated} placements evaluated"
         return self.answer(status, bound, "bound+simulation", note)
 
-    def polish(self, stop: float) -> None:
-        """From each of the best few placements evaluated, move one split point at a time
-        to its best position between its neighbours (every one is tried: the step of a
-        shared-core machine has valleys a step of a few blocks does not cross), sweep
-        after sweep while the step improves; until ``POLISH_BUDGET`` evaluations (at
-        least 6 per block) or the clock at ``stop``."""
+    def polish(self, stop: float, restarts: int = 0) -> None:
+        """From each of the best few placements evaluated, and from ``restarts`` random
+        ones (seeded by the problem's size: the same each time), move one split point at
+        a time to its best position between its neighbours (every one is tried: the step
+        of a shared-core machine has valleys a step of a few blocks does not cross),
+        sweep after sweep while the step improves; until ``POLISH_BUDGET`` evaluations
+        (at least 6 per block) or the clock at ``stop``."""
         if self.polish_left is None:  # one budget for the whole solve
             self.polish_left = [max(POLISH_BUDGET, 6 * self.t.K)]
         for seed in sorted(self.steps, key=self.steps.__getitem__)[:POLISH_SEEDS]:
             self._sweep(list(seed), self.polish_left, stop)
+        rng = random.Random(self.t.K * 1009 + self.t.S)
+        K, S = self.t.K, self.t.S
+        for _ in range(restarts):
+            idx = [0, *sorted(rng.sample(range(1, K), S - 1)), K]
+            if self.t.fits_all(idx) and self.polish_left[0] > 0:
+                if tuple(idx) not in self.steps:
+                    self.polish_left[0] -= 1
+                    self.offer(idx)
+                self._sweep(idx, self.polish_left, stop)
 
     def _sweep(self, cur: list[int], budget: list[int], stop: float) -> None:
-        S, here = self.t.S, self.steps[tuple(cur)]
+        """Line searches of one split point, then shifts of neighbouring pairs (a ridge
+        that moving one at a time cannot follow), until neither improves."""
+        here = self.steps[tuple(cur)]
         improved = True
         while improved:
             improved = False
-            for k in range(1, S):
-                for a in range(cur[k - 1] + 1, cur[k + 1]):
-                    if budget[0] <= 0 or time.perf_counter() > stop:
-                        return
-                    idx = [*cur[:k], a, *cur[k + 1 :]]
-                    step = self.steps.get(tuple(idx))
-                    if step is None:
-                        if not self.t.fits_all(idx):
-                            continue
-                        budget[0] -= 1
-                        step = self.offer(idx)
-                    if step < here * (1 - 1e-12):
-                        cur, here, improved = idx, step, True
+            for idx in self._moves(cur):
+                if budget[0] <= 0 or time.perf_counter() > stop:
+                    return
+                step = self.steps.get(tuple(idx))
+                if step is None:
+                    if not self.t.fits_all(idx):
+                        continue
+                    budget[0] -= 1
+                    step = self.offer(idx)
+                if step < here * (1 - 1e-12):
+                    cur, here, improved = idx, step, True
+                    break
+
+    def _moves(self, cur: list[int]) -> Iterator[list[int]]:
+        S = self.t.S
+        for k in range(1, S):
+            for a in range(cur[k - 1] + 1, cur[k + 1]):
+                if a != cur[k]:
+                    yield [*cur[:k], a, *cur[k + 1 :]]
+        for k in range(1, S - 1):
+            for d in (-2, -1, 1, 2):
+                idx = [*cur[:k], cur[k] + d, cur[k + 1] + d, *cur[k + 2 :]]
+                if idx[k - 1] < idx[k] < idx[k + 1] < idx[k + 2]:
+                    yield idx
 
 
 def _bound(outcome: Outcome, path: list[int] | None, t: StepTable) -> float:
