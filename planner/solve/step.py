@@ -35,7 +35,7 @@ from planner.solve.step_table import Layers, StepTable
 
 __all__ = [
     "ENUMERATE_MAX",
-    "ENUMERATE_S",
+    "ENUMERATE_WORK",
     "GAP_ROUNDS",
     "POLISH_BUDGET",
     "POLISH_SEEDS",
@@ -48,8 +48,10 @@ log = logging.getLogger(__name__)
 
 ENUMERATE_MAX = 48
 """Placements at most that are evaluated one by one instead of solving the MILP (exact problems)."""
-ENUMERATE_S = 2.0
-"""Seconds of evaluations at most spent on enumerating a bounded problem's placements."""
+ENUMERATE_WORK = 100_000
+"""Work at most spent on enumerating a bounded problem's placements, counted as each
+placement's graph nodes + 16 (a simulation costs about 0.3 ms + 20 µs a node on a shared
+2-core machine: about 2 s). Counted, not timed: the same inputs give the same plan."""
 POLISH_BUDGET = 400
 """Evaluations at most spent on moving split points (bounded problems; 6 per block if more)."""
 POLISH_SEEDS = 2
@@ -111,12 +113,11 @@ def solve_step(
         idx = run.t.indices(ws)
         if run.t.fits_all(idx):
             run.offer(idx)
-    if not prove and not problem.exact and run.best is not None:
-        total = math.comb(run.t.K - 1, run.t.S - 1)
-        if total * run.per_eval_s() > min(ENUMERATE_S, (run.deadline - time.perf_counter()) / 2):
-            run.polish(run.deadline)
-            note = f"not proven: {run.evaluated} placements evaluated"
-            return run.answer("bounded", 0.0, "search", note)
+    total = math.comb(run.t.K - 1, run.t.S - 1)
+    if not prove and not problem.exact and run.best and run.work(total) > ENUMERATE_WORK:
+        run.polish(run.deadline)
+        note = f"not proven: {run.evaluated} placements evaluated"
+        return run.answer("bounded", 0.0, "search", note)
     layers = run.t.layers(run.U, keep=[run.best] if run.best else [])
     run.n_segments = sum(len(row) for layer in layers for row in layer.values())
     if run.t.count(layers) == 0:
@@ -141,7 +142,6 @@ class _Run:
     best: list[int] | None = None
     U: float = math.inf
     evaluated: int = 0
-    eval_s: float = 0.0
     solver_s: float = 0.0
     n_segments: int = 0
     steps: dict[tuple[int, ...], float] = field(default_factory=dict)  # every one evaluated
@@ -150,17 +150,16 @@ class _Run:
     def offer(self, idx: list[int]) -> float:
         """Evaluate a placement; keep it when it beats the incumbent."""
         key = tuple(idx)
-        started = time.perf_counter()
         step = float(self.t.p.evaluate(self.t.starts(idx)))
-        self.eval_s += time.perf_counter() - started
         self.evaluated += 1
         self.steps[key] = step
         if step < self.U * (1 - 1e-12) or self.best is None:
             self.best, self.U = list(idx), step
         return step
 
-    def per_eval_s(self) -> float:
-        return self.eval_s / self.evaluated if self.evaluated else 1e-3
+    def work(self, placements: int) -> int:
+        """``placements`` evaluations, in the units of ``ENUMERATE_WORK``."""
+        return placements * (len(self.t.p.nodes) + 16)
 
     def enumerable(self, layers: Layers) -> bool:
         count = self.t.count(layers)
@@ -168,8 +167,7 @@ class _Run:
             return True
         if self.t.p.exact:
             return False
-        budget = min(ENUMERATE_S, (self.deadline - time.perf_counter()) / 2)
-        return count * self.per_eval_s() <= budget
+        return self.work(count) <= ENUMERATE_WORK
 
     def answer(self, status: StepStatus, bound: float, method: str, detail: str) -> StepSolution:
         if self.best is None:

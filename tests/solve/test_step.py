@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
+import time
 
 import pytest
 
@@ -106,7 +108,7 @@ def test_exact_problems_are_solved_to_the_brute_force_optimum(
 
 def test_bounded_problems_never_claim_more_than_they_prove(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
-    monkeypatch.setattr(step_module, "ENUMERATE_S", 0.0)
+    monkeypatch.setattr(step_module, "ENUMERATE_WORK", 0)
     seen = set()
     for seed in range(30):
         p = _problem(seed, exact=False)
@@ -124,7 +126,7 @@ def test_bounded_problems_never_claim_more_than_they_prove(monkeypatch: pytest.M
 
 def test_few_rounds_leave_the_gap_open_and_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
-    monkeypatch.setattr(step_module, "ENUMERATE_S", 0.0)
+    monkeypatch.setattr(step_module, "ENUMERATE_WORK", 0)
     monkeypatch.setattr(step_module, "GAP_ROUNDS", 0)
     monkeypatch.setattr(step_module, "POLISH_BUDGET", 0)
     statuses = {solve_step(_problem(seed, exact=False)).status for seed in range(30)}
@@ -166,3 +168,31 @@ def test_problems_are_validated() -> None:
         dataclasses.replace(p, capacity=[1.0])
     with pytest.raises(ValueError, match="waiter and awaited"):
         dataclasses.replace(p, waiter=[0], awaited=[])
+
+
+def test_a_slow_machine_solves_bounded_problems_the_same_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whether a bounded problem is enumerated, searched or bounded is counted, not timed:
+    evaluations 2 ms slower give the same placements, statuses and counts."""
+    monkeypatch.setattr(step_module, "ENUMERATE_WORK", 400)  # some enumerate, some do not
+    problems = [_problem(seed, exact=False) for seed in range(8)]
+
+    def answers(delay_s: float) -> list[tuple[object, ...]]:
+        out = []
+        for p in problems:
+            fast = p.evaluate
+
+            def slow(starts: tuple[int, ...], fast=fast) -> float:
+                time.sleep(delay_s)
+                return fast(starts)
+
+            q = dataclasses.replace(p, evaluate=slow)
+            for prove in (True, False):
+                s = solve_step(q, prove=prove, warm_starts=[tuple(range(p.n_stages))])
+                out.append((s.starts, s.status, s.method, s.evaluated, round(s.bound, 9)))
+        return out
+
+    fast, slow = answers(0.0), answers(0.002)
+    assert fast == slow
+    assert {a[2] for a in fast} >= {"enumeration", "search"}
