@@ -1,4 +1,5 @@
-"""The plan report on the terminal: a summary, the stage and candidate tables, warnings."""
+"""The plan report on the terminal: a summary, the stage, split-point and candidate
+tables, warnings."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from planner.plan.schema import Plan
 from planner.report.content import (
     CAND_COLS,
     CAND_NOTE,
+    CUT_COLS,
     MEM_COL,
     STAGE_COLS,
     Row,
     candidate_rows,
+    cut_rows,
     over_capacity,
     stage_note,
     stage_rows,
@@ -45,7 +48,7 @@ def _rich_table(
 
 
 def print_plan(plan: Plan, *, console: Console | None = None) -> None:
-    """Print the plan's summary, stage table, candidates and warnings.
+    """Print the plan's summary, stage table, split points, candidates and warnings.
 
     Example::
 
@@ -60,6 +63,9 @@ def print_plan(plan: Plan, *, console: Console | None = None) -> None:
     console.print(grid)
     rows, unit = stage_rows(plan)
     console.print(_rich_table("stages", STAGE_COLS, rows, stage_note(unit), MEM_COL))
+    if plan.pp > 1:
+        cuts, note = cut_rows(plan)
+        console.print(_rich_table("what crosses each split point", CUT_COLS, cuts, note))
     for line in over_capacity(plan):
         console.print(Text(f"over capacity: {line}", style="bold red"))
     if plan.candidates:

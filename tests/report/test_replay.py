@@ -26,8 +26,8 @@ def cpu_plan() -> Plan:
     return tower_plan(cluster=from_gpus(2, "cpu"), pp=2, micro_batches=4)
 
 
-def _text(plan: Plan) -> str:
-    console = Console(record=True, width=200, file=io.StringIO())
+def _text(plan: Plan, width: int = 200) -> str:
+    console = Console(record=True, width=width, file=io.StringIO())
     print_plan(plan, console=console)
     return console.export_text()
 
@@ -63,7 +63,7 @@ def test_an_edited_step_is_called_out(cpu_plan: Plan) -> None:
     assert "from the plan's simulation inputs (edited?)" in text
 
 
-def test_the_html_report_lists_what_crosses_each_split_point(
+def test_both_reports_list_what_crosses_each_split_point(
     cpu_plan: Plan, tmp_path: Path
 ) -> None:
     page = write_html(cpu_plan, tmp_path / "plan.html").read_text()
@@ -71,3 +71,6 @@ def test_the_html_report_lists_what_crosses_each_split_point(
     block = cpu_plan.profiles[0].blocks[cpu_plan.stages[1].blocks[0]]
     assert block.crossing and all("float32[" in t for t in block.crossing)
     assert ", ".join(block.crossing) in page
+    text = " ".join(_text(cpu_plan, width=400).split())
+    assert "what crosses each split point" in text
+    assert " ".join(", ".join(block.crossing).split()) in text
