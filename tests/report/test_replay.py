@@ -63,9 +63,7 @@ def test_an_edited_step_is_called_out(cpu_plan: Plan) -> None:
     assert "from the plan's simulation inputs (edited?)" in text
 
 
-def test_both_reports_list_what_crosses_each_split_point(
-    cpu_plan: Plan, tmp_path: Path
-) -> None:
+def test_both_reports_list_what_crosses_each_split_point(cpu_plan: Plan, tmp_path: Path) -> None:
     page = write_html(cpu_plan, tmp_path / "plan.html").read_text()
     assert "What crosses each split point" in page
     block = cpu_plan.profiles[0].blocks[cpu_plan.stages[1].blocks[0]]
