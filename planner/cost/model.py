@@ -96,6 +96,7 @@ class CostModel:
         self.basis = CostBasis(profiles, cluster, training, layout)
         self.time = StageTime(self.basis)
         self.memory_model = StageMemoryModel(self.basis)
+        self._stages: dict[tuple[int, int, int], StagePrediction] = {}
 
     # ----------------------------------------------------------------- the layout
 
@@ -176,14 +177,8 @@ class CostModel:
 
     def predict(self, starts: Sequence[int]) -> Prediction:
         """Per-stage figures and the simulated step of the placement ``starts``."""
-        pp = self.layout.pp
-        bounds = [*starts, self.n_blocks]
-        if len(starts) != pp or starts[0] != 0:
-            raise ValueError(f"starts must have {pp} entries beginning with 0")
-        for s in range(pp):
-            if not bounds[s] < bounds[s + 1]:
-                raise ValueError(f"stage {s} is empty (starts {list(starts)})")
-        stages = tuple(self._stage(s, bounds[s], bounds[s + 1]) for s in range(pp))
+        bounds = self._bounds(starts)
+        stages = tuple(self._stage(s, bounds[s], bounds[s + 1]) for s in range(self.layout.pp))
         closed = closed_form(
             fwd=[x.fwd_ms for x in stages],
             bwd=[x.bwd_ms for x in stages],
@@ -205,6 +200,28 @@ class CostModel:
             inputs=inputs,
             timeline=timeline,
         )
+
+    def step_ms(self, starts: Sequence[int]) -> float:
+        """``predict(starts).step_ms``, the same number, with each segment's figures
+        computed once (what the step solver evaluates, thousands of times)."""
+        bounds = self._bounds(starts)
+        stages = []
+        for s in range(self.layout.pp):
+            key = (s, bounds[s], bounds[s + 1])
+            if key not in self._stages:
+                self._stages[key] = self._stage(*key)
+            stages.append(self._stages[key])
+        return replay(self._inputs(stages, bounds)).step_ms
+
+    def _bounds(self, starts: Sequence[int]) -> list[int]:
+        pp = self.layout.pp
+        bounds = [*starts, self.n_blocks]
+        if len(starts) != pp or starts[0] != 0:
+            raise ValueError(f"starts must have {pp} entries beginning with 0")
+        for s in range(pp):
+            if not bounds[s] < bounds[s + 1]:
+                raise ValueError(f"stage {s} is empty (starts {list(starts)})")
+        return bounds
 
     def _stage(self, s: int, i: int, j: int) -> StagePrediction:
         rc = self.recompute(s, i, j)

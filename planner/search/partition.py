@@ -91,7 +91,7 @@ def step_problem(
         capacity=cost.capacity,
         nodes=[_node(node) for node in graph.nodes],
         ends=graph.tails,
-        evaluate=lambda starts: cost.predict(starts).step_ms,
+        evaluate=cost.step_ms,
         exact=prices.exact,
         seg_bound=bound,
         rows=_throughput(cost, prices),

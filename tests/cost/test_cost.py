@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -246,6 +247,17 @@ def test_prediction_matches_the_schedule() -> None:
     assert pred.step_ms == pytest.approx(pred.closed_form_ms)  # gpipe: exact
     assert pred.fits
     assert pred.samples_per_s == pytest.approx(16 / (pred.step_ms / 1e3))
+
+
+def test_step_ms_is_the_predicted_step_on_every_placement() -> None:
+    for cm in (_model(pp=3, m=4), _cpu_model(pp=3, dp=1, m=3, cores=2), _model(pp=2, dp=2)):
+        pp = cm.layout.pp
+        for cuts in itertools.combinations(range(1, cm.n_blocks), pp - 1):
+            starts = (0, *cuts)
+            assert cm.step_ms(starts) == cm.predict(starts).step_ms  # the same number
+            assert cm.step_ms(starts) == cm.predict(starts).step_ms  # and again, cached
+    with pytest.raises(ValueError, match="stage 0 is empty"):
+        _model(pp=2).step_ms((0, 0))
 
 
 def test_layout_checks_divisibility() -> None:

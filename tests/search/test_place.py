@@ -172,6 +172,7 @@ def test_shared_cores_are_bounded_and_enumerated_when_few(monkeypatch: pytest.Mo
         assert all(s == "optimal" for s in statuses if s != "infeasible"), statuses
         monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
         monkeypatch.setattr(step_module, "ENUMERATE_WORK", 0)
+        monkeypatch.setattr(step_module, "PROVE_WORK", 0)
         statuses = [_check(_instance(300 + seed, "cpu")) for seed in range(10)]
     assert set(statuses) <= {"optimal", "bounded", "infeasible"}, statuses
 
@@ -181,6 +182,7 @@ def test_shared_cores_are_searched_per_configuration_and_proven_once(
 ) -> None:
     monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
     monkeypatch.setattr(step_module, "ENUMERATE_WORK", 0)
+    monkeypatch.setattr(step_module, "PROVE_WORK", 0)
     with _cores(2):
         cost = _instance(301, "cpu")
         searched = place(cost, SearchOptions(), prove=False)

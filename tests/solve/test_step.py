@@ -109,6 +109,7 @@ def test_exact_problems_are_solved_to_the_brute_force_optimum(
 def test_bounded_problems_never_claim_more_than_they_prove(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
     monkeypatch.setattr(step_module, "ENUMERATE_WORK", 0)
+    monkeypatch.setattr(step_module, "PROVE_WORK", 0)
     seen = set()
     for seed in range(30):
         p = _problem(seed, exact=False)
@@ -127,6 +128,7 @@ def test_bounded_problems_never_claim_more_than_they_prove(monkeypatch: pytest.M
 def test_few_rounds_leave_the_gap_open_and_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
     monkeypatch.setattr(step_module, "ENUMERATE_WORK", 0)
+    monkeypatch.setattr(step_module, "PROVE_WORK", 0)
     monkeypatch.setattr(step_module, "GAP_ROUNDS", 0)
     monkeypatch.setattr(step_module, "POLISH_BUDGET", 0)
     statuses = {solve_step(_problem(seed, exact=False)).status for seed in range(30)}
@@ -176,6 +178,7 @@ def test_a_slow_machine_solves_bounded_problems_the_same_way(
     """Whether a bounded problem is enumerated, searched or bounded is counted, not timed:
     evaluations 2 ms slower give the same placements, statuses and counts."""
     monkeypatch.setattr(step_module, "ENUMERATE_WORK", 400)  # some enumerate, some do not
+    monkeypatch.setattr(step_module, "PROVE_WORK", 400)
     problems = [_problem(seed, exact=False) for seed in range(8)]
 
     def answers(delay_s: float) -> list[tuple[object, ...]]:
@@ -196,3 +199,20 @@ def test_a_slow_machine_solves_bounded_problems_the_same_way(
     fast, slow = answers(0.0), answers(0.002)
     assert fast == slow
     assert {a[2] for a in fast} >= {"enumeration", "search"}
+
+
+def test_a_bounded_problem_to_be_proven_is_enumerated_further(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``prove=True`` affords ``PROVE_WORK``: the kept configuration is proven outright where
+    a searched one is not."""
+    monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
+    monkeypatch.setattr(step_module, "ENUMERATE_WORK", 0)
+    for seed in range(10):
+        p = _problem(seed, exact=False)
+        warm = [tuple(range(p.n_stages))]
+        proven = solve_step(p, warm_starts=warm)
+        assert (proven.status, proven.method) == ("optimal", "enumeration")
+        assert proven.step == pytest.approx(_brute(p), rel=REL)
+        searched = solve_step(p, warm_starts=warm, prove=False)
+        assert (searched.method, searched.bound) == ("search", 0.0)
