@@ -144,7 +144,8 @@ def _proven(
     row then says so)."""
     if best.solution.method != "search":
         return best
-    sol = place(best.cost, options, allowed, prove=True, starts=[best.starts])
+    # The search's placement already descends from the closed-form ILP's: not solved twice.
+    sol = place(best.cost, options, allowed, prove=True, starts=[best.starts], closed_form=False)
     pred = best.cost.predict(sol.starts)
     for k, (cfg, cand) in enumerate(tried):
         same = (cfg.pp, cfg.dp, cfg.m, cfg.schedule, cfg.grid) == (
@@ -167,12 +168,14 @@ def place(
     *,
     prove: bool = True,
     starts: Sequence[tuple[int, ...]] = (),
+    closed_form: bool = True,
 ) -> StepSolution:
     """The placement of least simulated step for ``cost``'s layout, and its proof.
 
     ``prove=False``: where stages share cores, search only (the bound's MILP
     is left for the configuration the plan keeps: see ``solve_step``).
-    ``starts``: more placements to start from.
+    ``starts``: more placements to start from. ``closed_form=False``: not the
+    closed-form ILP's (a placement of ``starts`` already descends from it).
 
     The closed-form ILP's placement and the usual heuristics' (uniform,
     parameter- and time-balanced) are the step solver's warm starts; both
@@ -191,13 +194,14 @@ def place(
     limit = options.time_limit_s
     seeds = [*starts, *_heuristics(cost, allowed)]
     refused: PartitionInfeasible | None = None
-    try:
-        first = solve_partition(
-            partition_problem(cost, allowed, names), solver=options.solver, time_limit_s=limit
-        )
-        seeds.insert(0, first.starts)
-    except PartitionInfeasible as exc:
-        refused = exc
+    if closed_form:
+        try:
+            first = solve_partition(
+                partition_problem(cost, allowed, names), solver=options.solver, time_limit_s=limit
+            )
+            seeds.insert(0, first.starts)
+        except PartitionInfeasible as exc:
+            refused = exc
     left = None if limit is None else max(limit - (time.perf_counter() - started), 0.05)
     try:
         return solve_step(

@@ -2,18 +2,20 @@
 
 1. The warm starts (placements the caller found by other means) are
    evaluated; the best is the incumbent U.
+   A bounded problem to be proven (``prove=True``) first polishes it: split
+   points moved from its best placements and from seeded random ones.
 2. Segments that do not fit their stage's memory, or whose bound exceeds U,
    are dropped (:class:`~planner.solve.step_table.StepTable`).
 3. Few placements left: every one is evaluated (proven by enumeration;
-   bounded problems allow more work, ``PROVE_WORK``, where they are to be proven).
-   Otherwise the step MILP ([Note: the step MILP]) is solved.
+   bounded problems allow more work, ``PROVE_WORK``, where they are to be
+   proven). Otherwise the step MILP ([Note: the step MILP]) is solved.
 4. An exact problem is then done: the MILP minimised the step itself. For a
-   bounded one the MILP's optimum is a lower bound; the incumbent is polished
-   by moving split points (from its best placements and from seeded random
-   ones), and the MILP is solved again without the placements already
-   evaluated (no-good rows), which raises the bound, for ``GAP_ROUNDS``
-   rounds. Every budget is counted, so the same inputs give the same answer
-   (the time limit aside). What is proven is reported as it stands.
+   bounded one the MILP's optimum is a lower bound; its placement is polished
+   too, and the MILP is solved again without the placements already evaluated
+   (no-good rows), which raises the bound, for ``GAP_ROUNDS`` rounds (MILPs of
+   at most ``ROUND_SEGMENTS`` candidate stages). Every budget is counted, so
+   the same inputs give the same answer (the time limit aside). What is
+   proven is reported as it stands.
 
 Pure: numbers and callables in; it imports PuLP, never torch.
 """
@@ -44,6 +46,7 @@ __all__ = [
     "PROVE_POLISH",
     "PROVE_WORK",
     "RESTARTS",
+    "ROUND_SEGMENTS",
     "solve_step",
 ]
 
@@ -75,6 +78,10 @@ the same inputs stop at the same place). A 24-layer GPT on 4 stages of shared co
 6 s per solve without it."""
 GAP_ROUNDS = 3
 """MILP solves at most spent raising a bounded problem's bound (no-good rows), after the first."""
+ROUND_SEGMENTS = 10_000
+"""Candidate stages at most of a MILP that gets no-good rounds: each round excludes one
+placement, and one of a 148-block chain on 8 stages (49 319 candidate stages, 10^11
+placements) cost about 10 s."""
 
 
 def solve_step(
@@ -126,6 +133,10 @@ def solve_step(
         run.polish(run.deadline)
         note = f"not proven: {run.evaluated} placements evaluated"
         return run.answer("bounded", 0.0, "search", note)
+    if prove and not problem.exact and run.best:
+        # The placement first, counted: a lower incumbent also prunes what is left to prove.
+        run.polish_left = [PROVE_POLISH * max(POLISH_BUDGET, 6 * run.t.K)]
+        run.polish(run.deadline, restarts=RESTARTS)
     layers = run.t.layers(run.U, keep=[run.best] if run.best else [])
     run.n_segments = sum(len(row) for layer in layers for row in layer.values())
     if run.t.count(layers) == 0:
@@ -267,17 +278,19 @@ class _Run:
         bound: float,
         outcome: Outcome,
     ) -> StepSolution:
-        """Bounded problems: polish the best placements, then raise the bound by no-goods."""
+        """Bounded problems: polish from the MILP's placement too, then raise the bound by
+        no-goods (MILPs of at most ``ROUND_SEGMENTS`` candidate stages)."""
         # Counted, not timed (the time limit aside): the same inputs give the same plan.
         stop = self.deadline
-        self.polish_left = [PROVE_POLISH * max(POLISH_BUDGET, 6 * self.t.K)]
-        self.polish(stop, restarts=RESTARTS)
+        self.polish_left = [max(POLISH_BUDGET, 6 * self.t.K)]
+        self.polish(stop)
         rounds, detail, limited = 0, outcome.detail, outcome.limited
+        limit = GAP_ROUNDS if self.n_segments <= ROUND_SEGMENTS else 0
         last = chosen(self.t, x) if outcome.has_solution else None
         while (
             outcome.proven
             and last is not None
-            and rounds < GAP_ROUNDS
+            and rounds < limit
             and bound < self.U * (1 - MIP_REL_GAP)
             and time.perf_counter() < stop
         ):
