@@ -19,8 +19,9 @@ plan's own cost model (``CostModel.predict``, the number the plan prints):
   head weighing one layer each).
 
 Ratio = other / ours: ≥ 1 means ours is at least as fast. Also recorded: the
-plan's solver status, bound and gap, and whether the in-tree replicas agree
-with the released peers. Writes bench/results/optimality.json.
+plan's solver status, bound and gap, and per peer whether its placement came
+from the released package or the replica (``source``). Writes
+bench/results/optimality.json.
 """
 
 from __future__ import annotations

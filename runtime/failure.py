@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from planner.plan.files import atomic_write
 from planner.plan.text import first_line
 
 if TYPE_CHECKING:
@@ -113,7 +114,10 @@ def _write_error_file(path: str, exc: BaseException, short: str | None) -> None:
 
     A communication error (``short`` given) is recorded as one line, one second
     later than now: torchrun names the earliest failure (by whole seconds) as
-    the root cause, and a peer's hang-up is a consequence, not a cause.
+    the root cause, and a peer's hang-up is a consequence, not a cause. Written
+    through a rename: torchrun stops the other ranks (SIGTERM) as soon as one
+    fails, and a file cut off mid-write made its agent raise a JSONDecodeError
+    of its own instead of printing the summary.
     """
     stamp = int(time.time()) + (1 if short else 0)
     data = {
@@ -126,8 +130,7 @@ def _write_error_file(path: str, exc: BaseException, short: str | None) -> None:
         }
     }
     try:
-        with open(path, "w") as f:
-            json.dump(data, f)
+        atomic_write(path, json.dumps(data))
     except OSError:
         traceback.print_exception(exc, file=sys.stderr)
 
