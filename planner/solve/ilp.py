@@ -262,12 +262,14 @@ def pick_solver(name: str) -> str:
     return "highs"
 
 
-def chosen_path(c: SegmentCosts, x: _Var) -> list[int] | None:
+def chosen_path(n_stages: int, end: int, x: _Var) -> list[int] | None:
+    """The placement (index form, ending at ``end``) that a solved MILP's segment
+    binaries ``x[s, a, b]`` describe, or None."""
     chosen = {(s, a): b for (s, a, b), v in x.items() if (v.varValue or 0.0) > 0.5}
     idx = [0]
-    for s in range(c.S):
+    for s in range(n_stages):
         b = chosen.get((s, idx[-1]))
         if b is None:
             return None
         idx.append(b)
-    return idx if idx[-1] == c.K else None
+    return idx if idx[-1] == end else None

@@ -123,7 +123,7 @@ def solve_partition(
     outcome = (run_highs if name == "highs" else run_cbc)(prob, limit, threads)
     answer.solver_s = time.perf_counter() - started
     log.info("partition: %s", outcome.detail)
-    path = chosen_path(c, x) if outcome.has_solution else None
+    path = chosen_path(c.S, c.K, x) if outcome.has_solution else None
     return _conclude(answer, c, outcome, path, incumbent)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -17,6 +18,7 @@ __all__ = [
     "SolverUnavailable",
     "Status",
     "format_bytes",
+    "placement_indices",
 ]
 
 SOLVERS = ("auto", "highs", "cbc")
@@ -169,6 +171,21 @@ class PartitionSolution:
     solver_s: float = 0.0
     n_segments: int
     solver_status: str = ""
+
+
+def placement_indices(pos: Sequence[int], n_stages: int, starts: Sequence[int]) -> list[int]:
+    """A placement's ``starts`` as indices into ``pos`` (the allowed split positions,
+    ``pos[-1]`` the end), with the end's index appended; ValueError if malformed."""
+    where = {p: a for a, p in enumerate(pos[:-1])}
+    starts = list(starts)
+    if len(starts) != n_stages or not starts or starts[0] != 0:
+        raise ValueError(f"starts must have {n_stages} entries beginning with 0 (got {starts})")
+    if any(x >= y for x, y in itertools.pairwise(starts)):
+        raise ValueError(f"starts must increase strictly (got {starts})")
+    bad = [j for j in starts if j not in where]
+    if bad:
+        raise ValueError(f"starts {bad} are not allowed split points (or ≥ n_blocks)")
+    return [where[j] for j in starts] + [len(pos) - 1]
 
 
 def format_bytes(x: float) -> str:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 
-from planner.solve.problem import PartitionProblem
+from planner.solve.problem import PartitionProblem, placement_indices
 
 __all__ = ["SegmentCosts", "evaluate", "step_time"]
 
@@ -109,16 +108,7 @@ class SegmentCosts:
 
     def indices(self, starts: Sequence[int]) -> list[int]:
         """Position indices of a placement (with K appended); ValueError if malformed."""
-        where = {p: a for a, p in enumerate(self.pos[:-1])}
-        starts = list(starts)
-        if len(starts) != self.S or not starts or starts[0] != 0:
-            raise ValueError(f"starts must have {self.S} entries beginning with 0 (got {starts})")
-        if any(x >= y for x, y in itertools.pairwise(starts)):
-            raise ValueError(f"starts must increase strictly (got {starts})")
-        bad = [j for j in starts if j not in where]
-        if bad:
-            raise ValueError(f"starts {bad} are not allowed split points (or ≥ n_blocks)")
-        return [where[j] for j in starts] + [self.K]
+        return placement_indices(self.pos, self.S, starts)
 
     def values(self, idx: Sequence[int]) -> tuple[list[float], list[float], list[float]]:
         """Per-stage work, cuts (S − 1) and sync of a placement in index form."""

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import pulp
 
+from planner.solve.ilp import chosen_path
 from planner.solve.step_table import Layers, StepTable, value
 
 __all__ = ["build_step_ilp", "chosen"]
@@ -201,11 +202,4 @@ def _initial(
 
 def chosen(t: StepTable, x: _X) -> list[int] | None:
     """The placement (index form) the solved MILP's binaries describe, or None."""
-    pick = {(s, a): b for (s, a, b), v in x.items() if (v.varValue or 0.0) > 0.5}
-    idx = [0]
-    for s in range(t.S):
-        b = pick.get((s, idx[-1]))
-        if b is None:
-            return None
-        idx.append(b)
-    return idx if idx[-1] == t.K else None
+    return chosen_path(t.S, t.K, x)

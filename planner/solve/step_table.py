@@ -9,11 +9,11 @@ a layered DAG from (0, 0) to (S, K), one path per placement.
 
 from __future__ import annotations
 
-import itertools
 import math
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 
+from planner.solve.problem import placement_indices
 from planner.solve.step_problem import StepProblem, Term
 
 __all__ = ["TOL", "Layers", "StepTable"]
@@ -85,16 +85,7 @@ class StepTable:
 
     def indices(self, starts: Sequence[int]) -> list[int]:
         """Position indices of a placement (with K appended); ValueError if malformed."""
-        where = {q: a for a, q in enumerate(self.pos[:-1])}
-        starts = list(starts)
-        if len(starts) != self.S or starts[0] != 0:
-            raise ValueError(f"starts must have {self.S} entries beginning with 0 (got {starts})")
-        if any(x >= y for x, y in itertools.pairwise(starts)):
-            raise ValueError(f"starts must increase strictly (got {starts})")
-        bad = [j for j in starts if j not in where]
-        if bad:
-            raise ValueError(f"starts {bad} are not allowed split points (or ≥ n_blocks)")
-        return [where[j] for j in starts] + [self.K]
+        return placement_indices(self.pos, self.S, starts)
 
     def starts(self, idx: Sequence[int]) -> tuple[int, ...]:
         return tuple(self.pos[a] for a in idx[:-1])
