@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench._common import knobs
+from bench._common import knobs, plan_layout
 from bench._runtime_workers import _count_faults, _init, _own_cpu_s, alternate, cpu_busy_s
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,18 +89,6 @@ def make_plan(example: str, batch: int, pp: int, dp: int, m: int) -> Any:
     )
 
 
-def layout_of(plan: Any) -> Any:
-    from planner.cost import Layout
-
-    return Layout(
-        pp=plan.pp,
-        dp=plan.dp,
-        micro_batches=plan.micro_batches,
-        schedule=plan.schedule,
-        ranks=tuple(tuple(s.ranks) for s in plan.stages),
-    )
-
-
 def cost_model(plan: Any) -> Any:
     """The current cost model for ``plan``'s layout, from the profiles the plan carries."""
     from planner.cost import CostModel
@@ -115,7 +103,7 @@ def cost_model(plan: Any) -> Any:
     training = Training(
         global_batch=plan.global_batch, optimizer=plan.optimizer, precision=plan.precision
     )
-    return CostModel(profs, from_record(plan.cluster), training, layout_of(plan))
+    return CostModel(profs, from_record(plan.cluster), training, plan_layout(plan))
 
 
 def starts_of(plan: Any) -> list[int]:

@@ -10,6 +10,19 @@ from pathlib import Path
 from typing import Any
 
 
+def plan_layout(plan: Any) -> Any:
+    """The Layout (pp, dp, m, schedule, ranks) a plan trains with."""
+    from planner.cost import Layout
+
+    return Layout(
+        pp=plan.pp,
+        dp=plan.dp,
+        micro_batches=plan.micro_batches,
+        schedule=plan.schedule,
+        ranks=tuple(tuple(s.ranks) for s in plan.stages),
+    )
+
+
 @contextlib.contextmanager
 def knobs(values: Mapping[str, str]) -> Iterator[None]:
     """Set environment variables (the examples' knobs) for the duration."""

@@ -41,8 +41,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench._common import knobs, table, write_json
-from bench.bench_plan import cost_models, plan_layout
+from bench._common import knobs, plan_layout, table, write_json
+from bench.bench_plan import cost_models
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "optimality.json"

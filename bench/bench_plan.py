@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench._common import knobs, write_json
+from bench._common import knobs, plan_layout, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "plan.json"
@@ -237,19 +237,6 @@ def _baseline_starts(name: str, prof: Any, pp: int) -> tuple[int, ...]:
 def _config(lay: Any) -> str:
     """A Layout's or a Plan's configuration in words."""
     return f"pp {lay.pp} × dp {lay.dp}, m {lay.micro_batches}, {lay.schedule}"
-
-
-def plan_layout(plan: Any) -> Any:
-    """The Layout (pp, dp, m, schedule, ranks) a plan trains with."""
-    from planner.cost import Layout
-
-    return Layout(
-        pp=plan.pp,
-        dp=plan.dp,
-        micro_batches=plan.micro_batches,
-        schedule=plan.schedule,
-        ranks=tuple(s.ranks for s in plan.stages),
-    )
 
 
 def cost_models(plan: Any, cluster: Any, training: Any) -> Any:

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import table, write_json
+from bench._common import plan_layout, table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "runtime.json"
@@ -535,7 +535,7 @@ def _predict(
 ) -> float:
     """The cost model's step time for ``plan``'s own placement, with the per-action overhead,
     the loopback link (``link``: the measured p2p figures) and a compute factor replaced."""
-    from planner.cost import CostModel, Layout
+    from planner.cost import CostModel
     from planner.cost import stage_time as cost_mod
     from planner.devices import from_record
     from planner.options import Training
@@ -547,10 +547,7 @@ def _predict(
             cluster, intra_node_bandwidth=bw, inter_node_bandwidth=bw,
             intra_node_latency_s=lat, inter_node_latency_s=lat,
         )  # fmt: skip
-    layout = Layout(
-        pp=plan.pp, dp=plan.dp, micro_batches=plan.micro_batches, schedule=plan.schedule,
-        ranks=tuple(tuple(s.ranks) for s in plan.stages),
-    )  # fmt: skip
+    layout = plan_layout(plan)
     profs = {
         q.device: _scaled(q, corun) for q in plan.profiles if q.batch_size == plan.micro_batch_size
     }

@@ -1,17 +1,61 @@
-"""Small models the tests share, and a snapshot of a model's whole state."""
+"""Small models the tests share, a snapshot of a model's whole state, and a test CPU
+cluster with a chosen number of usable cores."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from planner.devices import Cluster, from_gpus
+from planner.devices import cluster as cluster_module
+from planner.devices.build import assemble
+from planner.devices.catalogue import Device
 from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
 from planner.plan import Plan
 from planner.planning import plan_model
 
-__all__ = ["Net", "Tower", "assert_same_state", "model_state", "tower_loss", "tower_plan"]
+__all__ = [
+    "Net",
+    "Tower",
+    "assert_same_state",
+    "cpu_cluster",
+    "model_state",
+    "tower_loss",
+    "tower_plan",
+    "usable_cores",
+]
+
+
+def cpu_cluster(n: int, threads: int = 1) -> Cluster:
+    """``n`` processes of a test CPU (1e11 FLOP/s, 20 GB/s), ``threads`` threads each."""
+    cpu = Device(
+        key="cpu",
+        name="test CPU",
+        kind="cpu",
+        memory_bytes=64 * 2**30,
+        peak_flops={"fp32": 1e11, "tf32": 1e11, "bf16": 1e11, "fp16": 1e11},
+        memory_bandwidth=20e9,
+        nvlink_bandwidth=0.0,
+        pcie_bandwidth=20e9,
+        compute_efficiency=1.0,
+        memory_efficiency=1.0,
+        op_overhead_s=1e-6,
+        source="test",
+    )
+    return assemble(None, [[(cpu, threads)] * n], {})
+
+
+@contextmanager
+def usable_cores(n: int) -> Iterator[None]:
+    """The cost model sees ``n`` usable cores on this machine."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cluster_module, "usable_cores", lambda: n)
+        yield
 
 
 class Net(nn.Module):

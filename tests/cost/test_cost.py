@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
+from models import cpu_cluster, usable_cores
 
 from planner.cost import CostModel, Layout, cpu_speeds, state_bytes
-from planner.devices import cluster as cluster_module
-from planner.devices.build import assemble, from_gpus
-from planner.devices.catalogue import Device
-from planner.devices.cluster import Cluster
+from planner.devices.build import from_gpus
 from planner.options import Training
 from planner.plan.records import BlockCost, ModelProfile, TiedSet
 from planner.search.partition import partition_problem
@@ -55,24 +51,6 @@ def _profile(n: int = 4, batch: int = 4, tied: bool = False) -> ModelProfile:
     )
 
 
-def _cpu_cluster(n: int, threads: int = 1) -> Cluster:
-    cpu = Device(
-        key="cpu",
-        name="test CPU",
-        kind="cpu",
-        memory_bytes=64 * 2**30,
-        peak_flops={"fp32": 1e11, "tf32": 1e11, "bf16": 1e11, "fp16": 1e11},
-        memory_bandwidth=20e9,
-        nvlink_bandwidth=0.0,
-        pcie_bandwidth=20e9,
-        compute_efficiency=1.0,
-        memory_efficiency=1.0,
-        op_overhead_s=1e-6,
-        source="test",
-    )
-    return assemble(None, [[(cpu, threads)] * n], {})
-
-
 def _cpu_model(pp=2, dp=1, m=2, acts=8 * MB, cores=2, threads=1, **train) -> CostModel:
     prof = _profile()
     prof = replace(
@@ -84,15 +62,8 @@ def _cpu_model(pp=2, dp=1, m=2, acts=8 * MB, cores=2, threads=1, **train) -> Cos
     ranks = tuple(tuple(r * pp + s for r in range(dp)) for s in range(pp))
     layout = Layout(pp=pp, dp=dp, micro_batches=m, schedule="gpipe", ranks=ranks)
     training = Training(global_batch=4 * dp * m, **train)
-    with _cores(cores):
-        return CostModel({"cpu": prof}, _cpu_cluster(pp * dp, threads), training, layout)
-
-
-@contextmanager
-def _cores(n: int) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cluster_module, "usable_cores", lambda: n)
-        yield
+    with usable_cores(cores):
+        return CostModel({"cpu": prof}, cpu_cluster(pp * dp, threads), training, layout)
 
 
 def _model(pp=2, dp=1, m=2, schedule="gpipe", prof=None, **train) -> CostModel:

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
+from models import cpu_cluster, usable_cores
 
 from planner.cost import CostModel, Layout
-from planner.devices import cluster as cluster_module
-from planner.devices.build import assemble, from_gpus
-from planner.devices.catalogue import Device
+from planner.devices.build import from_gpus
 from planner.devices.cluster import Cluster
 from planner.devices.cluster_file import parse_cluster
 from planner.options import SearchOptions, Training
@@ -65,34 +62,9 @@ def _profile(rng: random.Random, n: int, device: str, speed: float, tied: bool) 
     )
 
 
-def _cpu(n: int) -> Cluster:
-    cpu = Device(
-        key="cpu",
-        name="test CPU",
-        kind="cpu",
-        memory_bytes=64 * 2**30,
-        peak_flops={"fp32": 1e11, "tf32": 1e11, "bf16": 1e11, "fp16": 1e11},
-        memory_bandwidth=20e9,
-        nvlink_bandwidth=0.0,
-        pcie_bandwidth=20e9,
-        compute_efficiency=1.0,
-        memory_efficiency=1.0,
-        op_overhead_s=1e-6,
-        source="test",
-    )
-    return assemble(None, [[(cpu, 1)] * n], {})
-
-
-@contextmanager
-def _cores(n: int) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cluster_module, "usable_cores", lambda: n)
-        yield
-
-
 def _cluster(kind: str, devices: int) -> Cluster:
     if kind == "cpu":
-        return _cpu(devices)
+        return cpu_cluster(devices)
     if kind == "mixed":
         half = devices // 2
         return parse_cluster(
@@ -167,7 +139,7 @@ def test_the_step_milp_alone_finds_the_fastest_placement(
 
 
 def test_shared_cores_are_bounded_and_enumerated_when_few(monkeypatch: pytest.MonkeyPatch) -> None:
-    with _cores(2):
+    with usable_cores(2):
         statuses = [_check(_instance(200 + seed, "cpu")) for seed in range(10)]
         assert all(s == "optimal" for s in statuses if s != "infeasible"), statuses
         monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
@@ -183,7 +155,7 @@ def test_shared_cores_are_searched_per_configuration_and_proven_once(
     monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
     monkeypatch.setattr(step_module, "ENUMERATE_WORK", 0)
     monkeypatch.setattr(step_module, "PROVE_WORK", 0)
-    with _cores(2):
+    with usable_cores(2):
         cost = _instance(301, "cpu")
         searched = place(cost, SearchOptions(), prove=False)
         assert (searched.method, searched.status, searched.bound) == ("search", "bounded", 0.0)
