@@ -7,7 +7,8 @@ and runs torchrun's elastic agent in this process, with two additions:
   listens on the loopback address only when the endpoint is one
   (``runtime.rendezvous``, [Note: a local run listens on loopback only]);
 * when the workers fail, torchrun's failure summary (every failed rank, and
-  the root cause: the earliest failure, with its traceback) is printed without
+  the root cause: the earliest failure that is not a peer's hang-up, with its
+  traceback: ``root_first``) is printed without
   the agent's own Python traceback, followed by one line saying which rank
   failed first and how — its exit status, or the signal that killed it (a rank
   killed by a signal leaves no error of its own: this line is the only
@@ -26,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "verdict"]
+__all__ = ["main", "root_first", "verdict"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,10 +42,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as exc:
+        root_first(exc)
         print(exc.format_msg(), file=sys.stderr)
         print(verdict(exc), file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def root_first(exc: Any) -> None:
+    """Stamp the failures a rank recorded as caused by another's (``runtime.failure``'s
+    ``SECONDARY`` mark: a peer's hang-up) one second after every other failure, so that
+    torchrun's root cause (the earliest stamp) is a rank's own error or death. Its stamps
+    are whole seconds, and a rank killed by a signal is stamped when torchrun notices
+    it, which can be after its peer's hang-up was recorded."""
+    from runtime.failure import SECONDARY
+
+    def secondary(failure: Any) -> bool:
+        message = failure.error_file_data.get("message")
+        return isinstance(message, dict) and message.get("extraInfo", {}).get(SECONDARY) is True
+
+    own = [f.timestamp for f in exc.failures.values() if not secondary(f)]
+    if own:
+        for f in exc.failures.values():
+            if secondary(f):
+                f.timestamp = max(f.timestamp, max(own) + 1)
 
 
 def verdict(exc: Any) -> str:

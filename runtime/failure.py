@@ -26,10 +26,12 @@ from planner.plan.text import first_line
 if TYPE_CHECKING:
     from runtime.engine import ParallelModel
 
-__all__ = ["EXIT_GUARD_S", "Where", "fail", "finish"]
+__all__ = ["EXIT_GUARD_S", "SECONDARY", "Where", "fail", "finish"]
 
 log = logging.getLogger(__name__)
 
+SECONDARY = "plannerSecondary"
+"""The error-file key (in ``extraInfo``) marking a failure caused by another rank's."""
 EXIT_GUARD_S = 30.0
 """The longest a worker's teardown may take before it exits anyway (status 1)."""
 
@@ -113,8 +115,11 @@ def _write_error_file(path: str, exc: BaseException, short: str | None) -> None:
     """torchrun's error-file format (what ``elastic.multiprocessing.errors.record`` writes).
 
     A communication error (``short`` given) is recorded as one line, one second
-    later than now: torchrun names the earliest failure (by whole seconds) as
-    the root cause, and a peer's hang-up is a consequence, not a cause. Written
+    later than now, and marked ``SECONDARY``: torchrun names the earliest
+    failure (by whole seconds) as the root cause, and a peer's hang-up is a
+    consequence, not a cause. A rank killed by a signal writes no file, and
+    torchrun stamps it when it notices, which can be in that next second: the
+    agent (``runtime.agent``) reads the mark and puts such failures last. Written
     through a rename: torchrun stops the other ranks (SIGTERM) as soon as one
     fails, and a file cut off mid-write made its agent raise a JSONDecodeError
     of its own instead of printing the summary.
@@ -126,6 +131,7 @@ def _write_error_file(path: str, exc: BaseException, short: str | None) -> None:
             "extraInfo": {
                 "py_callstack": short or "".join(traceback.format_exception(exc)),
                 "timestamp": str(stamp),
+                SECONDARY: short is not None,
             },
         }
     }

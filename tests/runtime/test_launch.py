@@ -190,3 +190,34 @@ def _free_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_a_peers_hang_up_is_never_the_root_cause(tmp_path: Path) -> None:
+    """Rank 0 recorded a communication error (marked secondary, stamped t + 1); rank 1 was
+    killed and torchrun stamped it when it noticed, in that same next second: a tie that
+    torchrun breaks towards rank 0. The agent puts the hang-up after it."""
+    import time
+
+    from torch.distributed.elastic.multiprocessing import errors
+
+    from runtime.agent import root_first, verdict
+    from runtime.failure import SECONDARY
+
+    stamp = int(time.time()) + 1
+    path = tmp_path / "error.json"
+    info = {"py_callstack": "hang-up", "timestamp": str(stamp), SECONDARY: True}
+    path.write_text(json.dumps({"message": {"message": "DistError: reset", "extraInfo": info}}))
+    hung_up = errors.ProcessFailure(local_rank=0, pid=40, exitcode=1, error_file=str(path))
+    killed = errors.ProcessFailure(local_rank=1, pid=41, exitcode=-9, error_file="")
+    killed.timestamp = stamp  # noticed in the next second
+    exc = errors.ChildFailedError("runtime", {0: hung_up, 1: killed})
+    assert exc.get_first_failure()[0] == 0  # torchrun alone blames the hang-up
+    root_first(exc)
+    assert exc.get_first_failure()[0] == 1
+    assert verdict(exc).startswith("planner run: rank 1 (local rank 1, pid 41) was killed")
+    # A failure of a rank's own is left where it is, even when a hang-up came first.
+    own = errors.ProcessFailure(local_rank=1, pid=41, exitcode=1, error_file="")
+    own.timestamp = stamp + 5
+    exc = errors.ChildFailedError("runtime", {0: hung_up, 1: own})
+    root_first(exc)
+    assert (own.timestamp, exc.get_first_failure()[0]) == (stamp + 5, 1)
