@@ -123,7 +123,9 @@ class ParallelModel:
                 weights through :meth:`state_dict`, not ``model``.
             plan: the plan (``load_plan``), made for this model.
             loss_fn: ``loss_fn(outputs, targets)``, the mean over its micro-batch
-                (see [Note: one loss-normalisation rule]).
+                (see [Note: one loss-normalisation rule]). ``outputs`` is what
+                the model returns (a tensor, tuple, dict or ModelOutput: the
+                same object one process would pass), on the last stage.
             optimizer: builds the optimizer from this stage's parameters.
             sample: ``(args, kwargs)`` of the forward: one micro-batch, or a
                 larger batch whose first ``plan.micro_batch_size`` samples are used.
@@ -154,7 +156,7 @@ class ParallelModel:
         schedule = SCHEDULES[plan.schedule](
             stage.pipeline_stage,
             n_microbatches=plan.micro_batches,
-            loss_fn=loss_fn,
+            loss_fn=_on_model_output(loss_fn, stage.restore),
             scale_grads=True,
         )
         params = stage.trainable()
@@ -326,6 +328,15 @@ class ParallelModel:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _on_model_output(loss_fn: LossFn, restore: Callable[[Any], Any]) -> LossFn:
+    """The schedule's loss: ``loss_fn`` of what the model returns (one process's object)."""
+
+    def stage_loss(output: Any, target: Any) -> Tensor:
+        return loss_fn(restore(output), target)
+
+    return stage_loss
 
 
 def _check_schedule(plan: Plan) -> None:

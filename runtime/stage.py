@@ -13,6 +13,7 @@ untouched original of a tied weight that ``pipeline`` copies) are removed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,8 @@ class StageModule:
         fallback_reason: why ``pipeline`` was not used (None when it was).
         held: for every stage (not only this one), the names of the parameters
             and buffers its module keeps, all aliases included.
+        restore: the last stage's output → what the model returns (what the
+            loss takes: the same object as in one process).
     """
 
     index: int
@@ -58,6 +61,7 @@ class StageModule:
     method: str
     fallback_reason: str | None
     held: tuple[frozenset[str], ...]
+    restore: Callable[[Any], Any]
 
     @property
     def ddp(self) -> bool:
@@ -138,6 +142,7 @@ def build_stage(
         method=parts.method,
         fallback_reason=parts.reason,
         held=held,
+        restore=parts.restore,
     )
 
 

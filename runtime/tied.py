@@ -21,6 +21,13 @@ See the note below for why, and how.
 # equal values (broadcast once at start-up), with equal gradients and the same
 # optimizer, the copies stay bit-identical step after step. One process group
 # per tied set per replica (replicas are already averaged by DDP).
+#
+# A stage may hold several copies of one set: T5 ties ``shared``, the encoder's
+# and the decoder's embeddings and the LM head, and ``pipeline()`` gives a stage
+# that reads two of them two tensors. Then each rank first sums its own copies'
+# gradients, the sum is all-reduced over the holding stages (when several
+# hold), and every copy gets the total: the same rule, any number of copies
+# per stage and across stages.
 
 from __future__ import annotations
 
@@ -76,14 +83,16 @@ class TiedGroup:
         names: every FQN of the tensor.
         stages: the stages holding a copy (the same in every replica).
         ranks: this replica's ranks holding a copy, in stage order.
-        param: this rank's copy, or None when its stage holds none.
-        group: the process group of ``ranks`` (None when this rank is not in it).
+        params: this rank's copies (several when its stage holds several;
+            empty when it holds none).
+        group: the process group of ``ranks`` (None when this rank is not in
+            it, or when one stage holds all the copies).
     """
 
     names: tuple[str, ...]
     stages: tuple[int, ...]
     ranks: tuple[int, ...]
-    param: nn.Parameter | None
+    params: tuple[nn.Parameter, ...]
     group: dist.ProcessGroup | None
 
 
@@ -96,29 +105,34 @@ class TiedParams:
     @property
     def mine(self) -> tuple[TiedGroup, ...]:
         """The groups this rank holds a copy in."""
-        return tuple(g for g in self.groups if g.param is not None)
+        return tuple(g for g in self.groups if g.params)
 
     def broadcast_weights(self) -> None:
-        """Make every copy equal to the first stage's (once, at start-up)."""
+        """Make every copy equal to the first stage's first (once, at start-up)."""
         for g in self.mine:
-            assert g.param is not None and g.group is not None
+            first, *others = g.params
             with torch.no_grad():
-                dist.broadcast(g.param.data, src=g.ranks[0], group=g.group)
+                if g.group is not None:
+                    dist.broadcast(first.data, src=g.ranks[0], group=g.group)
+                for p in others:
+                    p.data.copy_(first.data)
 
     def sync_grads(self) -> None:
         """Sum the copies' gradients (see the module's note); call after backward, before step."""
-        works = []
+        pending = []
         for g in self.mine:
-            p = g.param
-            assert p is not None and g.group is not None
-            if p.grad is None:  # this stage's use did not reach the loss: contribute zeros
-                p.grad = torch.zeros_like(p)
-            works.append(
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=g.group, async_op=True)
-            )
-        for work in works:
-            assert work is not None
-            work.wait()
+            # A copy whose use did not reach the loss contributes zeros.
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params]
+            total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+            work = None
+            if g.group is not None:
+                work = dist.all_reduce(total, op=dist.ReduceOp.SUM, group=g.group, async_op=True)
+            pending.append((g, total, work))
+        for g, total, work in pending:
+            if work is not None:
+                work.wait()
+            for k, p in enumerate(g.params):
+                p.grad = total if k == 0 else total.clone()
 
 
 def build_tied(sets: Sequence[tuple[str, ...]], stage: StageModule, mesh: Mesh) -> TiedParams:
@@ -131,18 +145,19 @@ def build_tied(sets: Sequence[tuple[str, ...]], stage: StageModule, mesh: Mesh) 
 
     Which stages hold a copy is read from ``stage.held`` (every stage's kept
     names, the same on every rank), so every rank creates the same groups in
-    the same order, as ``dist.new_group`` requires. A set used by one stage
-    only is one tensor there: nothing to sync.
+    the same order, as ``dist.new_group`` requires. A set whose one holding
+    stage keeps it as one tensor has nothing to sync; one holding stage with
+    several copies sums them locally (no group).
     """
     groups: list[TiedGroup] = []
     for names in sets:
         holders = tuple(s for s, held in enumerate(stage.held) if held & set(names))
-        if len(holders) < 2:
+        copies = _local_copies(stage.module, names) if mesh.stage in holders else ()
+        if len(holders) == 1 and len(copies) < 2:
             continue
-        param = _local_copy(stage.module, names) if mesh.stage in holders else None
         for r in range(mesh.dp):
             ranks = tuple(mesh.grid[r][s] for s in holders)
-            pg = dist.new_group(sorted(ranks))
+            pg = dist.new_group(sorted(ranks)) if len(holders) > 1 else None
             if r == mesh.replica:
                 mine = mesh.rank in ranks
                 groups.append(
@@ -150,22 +165,23 @@ def build_tied(sets: Sequence[tuple[str, ...]], stage: StageModule, mesh: Mesh) 
                         names=tuple(names),
                         stages=holders,
                         ranks=ranks,
-                        param=param if mine else None,
+                        params=copies if mine else (),
                         group=pg if mine else None,
                     )
                 )
         log.info(
-            "%s tied %s: copies on stages %s, gradients summed",
+            "%s tied %s: copies on stages %s (%d here), gradients summed",
             mesh.prefix,
             list(names),
             list(holders),
+            len(copies),
         )
     tied = TiedParams(groups)
     tied.broadcast_weights()
     return tied
 
 
-def _local_copy(module: nn.Module, names: tuple[str, ...]) -> nn.Parameter:
+def _local_copies(module: nn.Module, names: tuple[str, ...]) -> tuple[nn.Parameter, ...]:
+    """This stage's distinct tensors for the tied set ``names`` (one or more)."""
     found = {id(p): p for n, p in module.named_parameters(remove_duplicate=False) if n in names}
-    assert len(found) == 1, f"stage holds {len(found)} distinct copies of tied {names}"
-    return next(iter(found.values()))
+    return tuple(found.values())

@@ -9,6 +9,7 @@ losses of the plain model trained in this process.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -76,13 +77,18 @@ def _train() -> dict[str, Any]:
     return out
 
 
+def _one_process(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    """No torchrun variables (a plain process), and an empty profile cache."""
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(cache))
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.timeout(120)
 def test_one_process_plans_micro_batching_only_and_matches(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path))
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+    _one_process(monkeypatch, tmp_path)
     from planner import auto_parallel
 
     x, y = _batch()
@@ -117,3 +123,44 @@ def test_unknown_plan_options_are_refused_naming_the_valid_ones() -> None:
 
     with pytest.raises(TypeError, match=r"unknown plan option.*'stages'.*micro_batches"):
         auto_parallel(_model(), sample=_batch(), stages=2)
+
+
+class _DictOut(nn.Module):
+    """Returns a dict, as library models do: the loss reads ``outputs["logits"]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = load_model_file(MLP).module.build_model(in_features=32)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.body(x)
+        return {"logits": logits, "norm": logits.norm(dim=-1)}
+
+
+def _dict_loss(outputs: dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs["logits"], y)
+
+
+def test_the_loss_sees_the_models_own_output_in_auto_parallel(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _one_process(monkeypatch, tmp_path)
+    from planner import auto_parallel
+
+    x, y = _batch()
+    torch.manual_seed(0)
+    model = _DictOut()
+    reference = copy.deepcopy(model)
+    pm = auto_parallel(model, sample=(x, y), loss_fn=_dict_loss, optimizer=_sgd, **FAST)
+    try:
+        losses = [pm.step(x, y) for _ in range(STEPS)]
+    finally:
+        pm.close()
+    opt, want = _sgd(reference.parameters()), []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = _dict_loss(reference(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL)

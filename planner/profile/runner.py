@@ -19,6 +19,7 @@ from planner.capture.blocks import Block
 from planner.capture.subgraph import extract
 from planner.capture.trace import Captured
 from planner.devices.catalogue import Device
+from planner.plan.pieces import clone_written_inputs
 from planner.profile.analytic import OpCost, OpCostMode
 
 __all__ = [
@@ -95,6 +96,8 @@ class BlockRunner:
     ) -> None:
         self.block = block
         self.module = extract(cap.gm, block.nodes, block.inputs, block.outputs)
+        if clone_written_inputs(self.module.graph):  # e.g. relu_ at the block's start
+            self.module.recompile()
         self.inputs = []
         for node in block.inputs:
             value = values[node]

@@ -9,6 +9,7 @@ primary path) and ``fx`` (the fallback for models torch.export cannot take);
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,8 @@ class Parts:
 
     ``pipe`` is torch's Pipe (the ``pipeline`` path); ``shapes`` each stage's
     example inputs and outputs (the ``fx`` path); ``reason`` why ``pipeline``
-    was not used (None when it was).
+    was not used (None when it was); ``restore`` turns the last stage's output
+    into what the model returns (the loss's first argument).
     """
 
     modules: list[nn.Module]
@@ -38,6 +40,7 @@ class Parts:
     reason: str | None = None
     pipe: Any = None
     shapes: list[tuple[Any, Any]] = field(default_factory=list)
+    restore: Callable[[Any], Any] = field(default=lambda out: out)
 
 
 def split_for_plan(model: nn.Module, plan: Plan, example: Example, split: str) -> Parts:
@@ -51,7 +54,7 @@ def split_for_plan(model: nn.Module, plan: Plan, example: Example, split: str) -
     reason: str | None = None
     if split in ("auto", "pipeline"):
         try:
-            pipe = split_pipeline(model, points, example)
+            pipe, restore = split_pipeline(model, points, example)
         except Exception as exc:
             if split == "pipeline":
                 raise StageError(
@@ -63,7 +66,7 @@ def split_for_plan(model: nn.Module, plan: Plan, example: Example, split: str) -
         else:
             _check_count(pipe.num_stages, plan)
             mods = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
-            return Parts(modules=mods, method="pipeline", pipe=pipe)
+            return Parts(modules=mods, method="pipeline", pipe=pipe, restore=restore)
     try:
         mods, shapes = split_model(model, points, example)
     except StageError as exc:

@@ -15,7 +15,9 @@ import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from planner.plan.pieces import clone_written_inputs
 from runtime.split.errors import Example, StageError, cause_line
+from runtime.split.relay import contiguous_grad
 
 __all__ = ["split_model"]
 
@@ -138,10 +140,20 @@ def _stage_graph(
     for n in nodes:
         if stage_of.get(n) == s:
             env[n] = graph.node_copy(n, lookup)
-    if s < n_stages - 1:
-        graph.output(tuple(lookup(n) for n in live_in[s + 1]))
+    if s < n_stages - 1:  # what a stage sends is contiguous (runtime.split.relay says why)
+        sent = [graph.call_method("contiguous", (lookup(n),)) for n in live_in[s + 1]]
+        graph.output(tuple(sent))
     else:
         graph.output(torch.fx.node.map_arg(output.args[0], lookup))
+    if s > 0:  # received activations: cloned where written in place, gradients sent dense
+        clone_written_inputs(graph, traced)
+        anchor = next(x for x in graph.nodes if x.op != "placeholder")
+        for p in [x for x in graph.nodes if x.op == "placeholder"]:
+            users = list(p.users)
+            with graph.inserting_before(anchor):
+                guard = graph.call_function(contiguous_grad, (p,))
+            for user in users:
+                user.replace_input_with(p, guard)
     gm = torch.fx.GraphModule(traced, graph, class_name=f"Stage{s}")
     gm.graph.lint()
     return gm

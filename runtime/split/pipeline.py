@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch.fx
 from torch import nn
-from torch.distributed.pipelining import pipe_split, pipeline
+from torch.distributed.pipelining import Pipe, pipe_split, pipeline
+from torch.export import ExportedProgram
+from torch.utils import _pytree as pytree
 
 from runtime.split.errors import Example, StageError
+from runtime.split.relay import relay
 
-__all__ = ["split_pipeline"]
+__all__ = ["output_restorer", "split_pipeline"]
 
 
-def split_pipeline(model: nn.Module, points: list[str], example: Example) -> Any:
+def split_pipeline(
+    model: nn.Module, points: list[str], example: Example
+) -> tuple[Any, Callable[[Any], Any]]:
     """``pipeline()`` with a ``pipe_split()`` before the FIRST call of each split point module.
 
     ``split_spec={fqn: SplitPoint.BEGINNING}`` would split before *every* call
@@ -21,6 +29,11 @@ def split_pipeline(model: nn.Module, points: list[str], example: Example) -> Any
     planner never proposes a later call). So the markers are forward pre-hooks
     that fire once per trace; they are removed afterwards, leaving the model as
     it was.
+
+    Returns:
+        torch's Pipe, relayed (``runtime.split.relay``), and the function that
+        turns the last stage's flat outputs back into what the model returns
+        (``output_restorer``).
     """
     args, kwargs = example
     armed = dict.fromkeys(points, True)
@@ -42,9 +55,52 @@ def split_pipeline(model: nn.Module, points: list[str], example: Example) -> Any
             except AttributeError as exc:
                 raise StageError(f"split point {fqn!r} is not a submodule of the model") from exc
             handles.append(mod.register_forward_pre_hook(marker(fqn)))
-        return pipeline(model, mb_args=tuple(args), mb_kwargs=dict(kwargs) or None)
+        with _recorded_export() as exported:
+            pipe = pipeline(model, mb_args=tuple(args), mb_kwargs=dict(kwargs) or None)
     finally:
         for handle in handles:
             handle.remove()
         for m, training in modes:
             m.training = training
+    relay(pipe)
+    return pipe, output_restorer(pipe, exported[0].call_spec.out_spec)
+
+
+@contextlib.contextmanager
+def _recorded_export() -> Iterator[list[ExportedProgram]]:
+    """The ExportedProgram that ``pipeline()`` traces (the Pipe keeps no output tree spec)."""
+    seen: list[ExportedProgram] = []
+    original = Pipe.__dict__["_trace_with_export"]
+
+    def recording(*args: Any, **kwargs: Any) -> ExportedProgram:
+        ep = original.__func__(*args, **kwargs)
+        seen.append(ep)
+        return ep
+
+    Pipe._trace_with_export = staticmethod(recording)  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        Pipe._trace_with_export = original  # type: ignore[method-assign]
+
+
+def output_restorer(pipe: Any, spec: pytree.TreeSpec | None) -> Callable[[Any], Any]:
+    """``restore(last_stage_output)``: what the model returns (a ModelOutput, a dict, a tuple...).
+
+    The last stage returns the model's outputs flattened (a tensor, or a tuple of
+    them); ``spec`` is the tree they came from. The loss sees the model's own
+    output in profiling, planning and training alike.
+    """
+    graph = pipe.split_gm.graph
+    output = next(x for x in graph.nodes if x.op == "output")
+    leaves: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(output.args, leaves.append)
+    picks = [None if x.op == "call_module" else x.args[1] for x in leaves]
+    if spec is None or spec.num_leaves != len(picks):
+        return lambda out: out
+
+    def restore(out: Any) -> Any:
+        flat = [out if j is None else out[j] for j in picks]
+        return pytree.tree_unflatten(flat, spec)
+
+    return restore

@@ -183,3 +183,30 @@ def test_analytic_profiles_of_a_meta_model_equal_those_of_cpu_tensors() -> None:
     from bench.bench_plan import meta_profiling_problem
 
     assert meta_profiling_problem() == ""
+
+
+class InPlaceStarts(nn.Module):
+    """Blocks that begin by writing into their input: an in-place ReLU, a residual ``+=``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.act = nn.ReLU(inplace=True)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.a(x))
+        out = self.b(h)
+        out += h
+        return self.c(torch.relu_(out))
+
+
+def test_blocks_that_write_into_their_input_are_profiled_without_changing_it() -> None:
+    torch.manual_seed(0)
+    model = InPlaceStarts()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    prof = profile_model(model, (x,), targets=y, loss_fn=F.cross_entropy, options=FAST)
+    names = [b.name for b in prof.blocks]
+    assert "act" in names and "c" in names  # relu_ and += open blocks
+    assert all(b.fwd_ms > 0 and b.bwd_ms > 0 for b in prof.blocks)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from small_examples import batch, build
+from torch import nn
 
 
 def test_pipeline_splits_at_the_first_call_of_a_module_called_twice() -> None:
@@ -14,7 +17,7 @@ def test_pipeline_splits_at_the_first_call_of_a_module_called_twice() -> None:
     model = build("resnet").eval()
     x, _ = batch("resnet", 2, 0)
     # BasicBlock applies `relu` twice; the split point is its first call.
-    pipe = split_pipeline(model, ["stages.2.0.relu"], ((x,), {}))
+    pipe, _ = split_pipeline(model, ["stages.2.0.relu"], ((x,), {}))
     assert pipe.num_stages == 2
     assert "forward" not in model.get_submodule("stages.2.0.relu").__dict__
     with torch.no_grad():
@@ -30,7 +33,7 @@ def test_pipeline_stage_keeps_only_what_it_reads() -> None:
     torch.manual_seed(0)
     gpt = build("gpt")
     x, _ = batch("gpt", 2, 0)
-    pipe = split_pipeline(gpt, ["blocks.1"], ((x,), {}))
+    pipe, _ = split_pipeline(gpt, ["blocks.1"], ((x,), {}))
     first, last = (pipe.get_stage_module(i) for i in range(2))
     # pipeline() leaves the untouched original head.weight in stage 0 beside its copy.
     assert "head.weight" in dict(first.named_parameters())
@@ -50,3 +53,84 @@ def test_fx_split_passes_long_skips_along_the_chain() -> None:
         torch.testing.assert_close(out, unet(x))
     # Stage 1 receives the main path and down.0's skip; stage 2 also down.1's skip.
     assert len(shapes[1][0]) == 2 and len(shapes[2][0]) == 3
+
+
+class _FanOut(nn.Module):
+    """A table made in stage 0 and read by stages 1, 2 and 3; an input read by stage 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        table = torch.cos(self.a.weight[:, :1].T)  # (1, 8), read by every later stage
+        h = self.a(x)
+        h = self.b(h) * table
+        h = self.c(h).T.T * table  # a non-contiguous view crosses the next split?
+        h = torch.relu_(self.d(h)) * table * scale
+        return {"logits": h, "first": h[:, :2], "early": table}  # table: made in stage 0
+
+
+def _chain(pipe: Any, args: tuple[Any, ...]) -> Any:
+    out: Any = args
+    for i in range(pipe.num_stages):
+        out = pipe.get_stage_module(i)(*(out if isinstance(out, tuple) else (out,)))
+    return out
+
+
+def test_relay_gives_each_stage_only_its_neighbours_values() -> None:
+    from runtime.split.pipeline import split_pipeline
+
+    torch.manual_seed(0)
+    model = _FanOut()
+    x, scale = torch.randn(4, 8), torch.full((4, 1), 0.5)
+    pipe, restore = split_pipeline(model, ["b", "c", "d"], ((x, scale), {}))
+    graph = pipe.split_gm.graph
+    stages = [n for n in graph.nodes if n.op == "call_module"]
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    assert list(stages[0].args) == inputs  # the first stage takes every model input
+    for i in range(1, len(stages)):
+        sources = {a.args[0] for a in stages[i].args}
+        assert sources == {stages[i - 1]}, f"stage {i} reads {sources}"
+    for stage in stages[:-1]:  # one reader per output: every gradient has one way back
+        for item in stage.users:
+            assert len(item.users) == 1
+    with torch.no_grad():
+        got, want = restore(_chain(pipe, (x, scale))), model(x, scale)
+    assert set(got) == {"logits", "first", "early"}  # the model's own dict, rebuilt
+    for key in got:
+        torch.testing.assert_close(got[key], want[key])
+
+
+def test_stages_send_contiguous_tensors_and_clone_what_they_write_into() -> None:
+    from runtime.split.pipeline import split_pipeline
+
+    class Transposed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 12)
+            self.act = nn.ReLU(inplace=True)
+            self.b = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x).reshape(2, 3, 4).transpose(1, 2)  # a view crosses the split
+            return self.b(self.act(h).transpose(1, 2))
+
+    torch.manual_seed(0)
+    model = Transposed()
+    x = torch.randn(2, 8)
+    pipe, _ = split_pipeline(model, ["act"], ((x,), {}))
+    first, last = pipe.get_stage_module(0), pipe.get_stage_module(1)
+    sent = first(x)
+    sent = sent if isinstance(sent, tuple) else (sent,)
+    assert all(t.is_contiguous() for t in sent)
+    # The second stage's input is a leaf that requires grad, as a receive buffer is;
+    # its first op (an in-place ReLU) works on a clone, and its gradient comes back dense.
+    leaves = [t.detach().clone().requires_grad_(True) for t in sent]
+    out = last(*leaves)
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.is_contiguous() for t in leaves)
+    torch.testing.assert_close(out, model(x))
