@@ -124,9 +124,11 @@ def _explain_excluded(exc: ValueError, base: ModelProfile) -> None:
         f"{exc}\n"
         f"  {len(excluded)} candidate split point(s) were excluded, so the model has only "
         f"{len(base.blocks)} block(s) that can start a stage:\n{shown}{more}\n"
-        "  A stage can only receive tensors: make the module before such a point return "
-        "tensors (index a tuple or list before the next module call, pass numbers as "
-        "tensors or configuration), so that the point becomes legal.",
+        "  A stage can only receive tensors of fixed shapes: make the module before such a "
+        "point return tensors (index a tuple or list before the next module call, pass "
+        "numbers as tensors or configuration), and keep data-dependent shapes (nonzero, "
+        "boolean masks) inside one module (or pad them to a fixed size), so that the point "
+        "becomes legal.",
         *exc.args[1:],
     )
 

@@ -10,8 +10,9 @@ parent's forward) stays in the block before it.
 For every split point we compute liveness on the graph: every value defined
 before the point and used at or after it crosses it (skip connections, long
 residuals and model inputs still needed later all count). A split point where a
-non-tensor value (a tuple, a list, a Python number) crosses is excluded: a
-pipeline stage can only send tensors. So is the second call of a module called
+non-tensor value (a tuple, a list, a Python number) or a tensor whose shape
+depends on the data (after ``nonzero``) crosses is excluded: a pipeline stage
+sends only tensors, into buffers of fixed shapes. So is the second call of a module called
 twice: a split point is named by one module FQN.
 
 Tied parameters (one tensor under several names) are found by identity and
@@ -28,7 +29,14 @@ import networkx as nx
 import torch.fx
 from torch import nn
 
-from planner.capture.liveness import Live, crossing, liveness, non_tensor_crossing, tensor_bytes
+from planner.capture.liveness import (
+    Live,
+    crossing,
+    liveness,
+    strided_bytes,
+    tensor_bytes,
+    unsendable_crossing,
+)
 from planner.capture.tied import param_identity, tied_sets
 from planner.capture.trace import Captured, ModuleCall, TensorInfo
 
@@ -67,6 +75,8 @@ class Block:
         params: attribute targets (``get_attr``) the block reads.
         boundary_bytes: bytes of every tensor live across this block's start.
         crossing: those tensors, described: "name: dtype[shape]" as traced.
+        copy_bytes: the part of ``boundary_bytes`` in tensors that are not
+            contiguous: a stage sending them makes a dense copy first.
         output_bytes: bytes of ``outputs``.
         weight: the work estimate the granularity rule used.
     """
@@ -80,6 +90,7 @@ class Block:
     params: list[str] = field(default_factory=list)
     boundary_bytes: int = 0
     crossing: list[str] = field(default_factory=list)
+    copy_bytes: int = 0
     output_bytes: int = 0
     weight: float = 0.0
 
@@ -197,9 +208,9 @@ def _unit_starts(
         if not starts:
             starts.append((0, fqn))
             continue
-        blocker = non_tensor_crossing(cap, live, p)
+        blocker = unsendable_crossing(cap, live, p)
         if blocker is not None:
-            excluded.append(SplitPointExcluded(fqn, f"a non-tensor value crosses it ({blocker})"))
+            excluded.append(SplitPointExcluded(fqn, blocker))
             continue
         starts.append((p, fqn))
     return starts, excluded
@@ -281,11 +292,9 @@ def _forced_starts(
             raise ValueError(
                 f"split point {fqn!r} does not come after {starts[-1][1]!r} in execution order"
             )
-        blocker = non_tensor_crossing(cap, live, p)
+        blocker = unsendable_crossing(cap, live, p)
         if blocker is not None:
-            raise ValueError(
-                f"split point {fqn!r} cannot be used: a non-tensor value crosses it ({blocker})"
-            )
+            raise ValueError(f"split point {fqn!r} cannot be used: {blocker}")
         starts.append((p, fqn))
     return starts
 
@@ -327,6 +336,7 @@ def _make_blocks(
             outputs=outputs,
             params=params,
             boundary_bytes=sum(tensor_bytes(cap, n) for n in crossing(live, p)) if k else 0,
+            copy_bytes=sum(strided_bytes(cap, n) for n in crossing(live, p)) if k else 0,
             crossing=[_described(cap, n) for n in crossing(live, p)] if k else [],
             output_bytes=sum(tensor_bytes(cap, n) for n in outputs),
             weight=sum(weights[p:q]),

@@ -38,6 +38,18 @@ def explain_failure(model: nn.Module, export_exc: Exception, fx_exc: Exception) 
             "itself fails on it (calling model(*inputs) directly raises the same).\n"
             "Fix: make the forward run on this input (its shapes, dtypes and batch size)."
         )
+    said = str(export_exc)
+    if "in output, which is not a known type" in said and "Cache" in said:
+        # transformers returns its key/value cache (a DynamicCache object) by default.
+        return (
+            "could not capture the model as a graph: its output holds a key/value cache "
+            f"object ({_first_line(export_exc)[:160]})\n"
+            f"{location}"
+            "Why: a cache is for generation; the planner traces training, and a pipeline "
+            "stage passes only tensors.\n"
+            "Fix: build the model for training with use_cache=False (in its config, e.g. "
+            "`LlamaConfig(..., use_cache=False)`, or `model.config.use_cache = False`)."
+        )
     return (
         "could not capture the model as a graph.\n"
         f"{location}"

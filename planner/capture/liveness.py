@@ -12,7 +12,7 @@ import torch.fx
 
 from planner.capture.trace import Captured, TensorInfo
 
-__all__ = ["Live", "crossing", "liveness", "non_tensor_crossing", "tensor_bytes"]
+__all__ = ["Live", "crossing", "liveness", "strided_bytes", "tensor_bytes", "unsendable_crossing"]
 
 
 @dataclass
@@ -45,13 +45,32 @@ def crossing(live: Live, p: int) -> list[torch.fx.Node]:
     return [n for n, d in live.define.items() if d < p <= live.last_use[n]]
 
 
-def non_tensor_crossing(cap: Captured, live: Live, p: int) -> str | None:
-    """A non-tensor value crossing position ``p``, described ("'x' is a tuple"), or None."""
+def unsendable_crossing(cap: Captured, live: Live, p: int) -> str | None:
+    """A value crossing position ``p`` that a pipeline stage cannot send, described, or None.
+
+    Stages exchange tensors of fixed shapes (receive buffers are made once):
+    a non-tensor ("a non-tensor value crosses it ('x' is a tuple)") or a tensor
+    whose shape depends on the data ("... has a data-dependent shape") blocks
+    the split point.
+    """
     for node in crossing(live, p):
         info = cap.values.get(node)
         if not isinstance(info, TensorInfo):
-            return f"'{node.name}' is a {info or 'value of unknown type'}"
+            kind = info or "value of unknown type"
+            return f"a non-tensor value crosses it ('{node.name}' is a {kind})"
+        if info.data_dependent:
+            return (
+                f"a tensor of data-dependent shape crosses it ('{node.name}', "
+                f"{list(info.shape)} on the traced batch: nonzero, masking or the like); "
+                "stages exchange fixed-size buffers"
+            )
     return None
+
+
+def strided_bytes(cap: Captured, node: torch.fx.Node) -> int:
+    """Bytes of the tensor ``node`` produces if it is not contiguous (a send copies it), else 0."""
+    info = cap.values.get(node)
+    return info.nbytes if isinstance(info, TensorInfo) and not info.contiguous else 0
 
 
 def tensor_bytes(cap: Captured, node: torch.fx.Node) -> int:

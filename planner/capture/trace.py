@@ -13,6 +13,7 @@ The captured ``GraphModule`` shares its parameters and buffers with the model
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import sys
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from planner.capture.explain import explain_failure
 from planner.plan.text import first_line
@@ -51,10 +53,18 @@ class ModuleCall:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Shape and dtype of a tensor value in the graph (no data)."""
+    """Shape and dtype of a tensor value in the graph (no data).
+
+    ``data_dependent``: a dimension depends on tensor values (``nonzero``,
+    boolean masking): ``shape`` is the traced sample's, other batches differ.
+    ``contiguous``: its strides are those of a dense row-major tensor (a stage
+    sending a strided view copies it first).
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    data_dependent: bool = False
+    contiguous: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -157,13 +167,24 @@ def _capture_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     _drop_guard_nodes(gm)
     stacks: dict[torch.fx.Node, tuple[ModuleCall, ...]] = {}
     values: dict[torch.fx.Node, ValueInfo] = {}
+    dynamic: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
         stacks[node] = _normalize_stack(node.meta.get("nn_module_stack"))
-        values[node] = _value_info(node.meta.get("val"))
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and free_unbacked_symbols(val.shape):
+            dynamic.add(node)
+        else:
+            values[node] = _value_info(val)
     inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     flat = list(torch.utils._pytree.tree_leaves((args, kwargs)))
     if len(flat) != len(inputs):
         raise RuntimeError(f"export produced {len(inputs)} inputs for {len(flat)} sample values")
+    if dynamic:  # sizes known only from the data (nonzero...): the sample's, marked as such
+        ran = _propagate(gm, flat)
+        for node in dynamic:
+            info = ran[node]
+            assert isinstance(info, TensorInfo)
+            values[node] = dataclasses.replace(info, data_dependent=True)
     return Captured(
         gm=gm,
         method="export",
@@ -313,7 +334,8 @@ def _type_name(cls: type) -> str:
 
 def _value_info(val: Any) -> ValueInfo:
     if isinstance(val, torch.Tensor):
-        return TensorInfo(tuple(int(d) for d in val.shape), val.dtype)
+        dense = bool(val.is_contiguous()) if not free_unbacked_symbols(val.shape) else True
+        return TensorInfo(tuple(int(d) for d in val.shape), val.dtype, contiguous=dense)
     if val is None:
         return "None"
     return type(val).__name__

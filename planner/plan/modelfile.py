@@ -17,7 +17,11 @@ nothing is executed into the planner's globals. It defines:
     ``inputs`` and every tensor of ``targets`` (0-d ones excepted) have
     ``batch_size`` as dim 0: the dimension cut into micro-batches.
 ``loss_fn(outputs, targets) -> Tensor`` (optional)
-    The scalar training loss. Without it, :func:`default_loss` is used.
+    The scalar training loss, a mean over the batch. ``outputs`` is exactly
+    what the model returns (a tensor, tuple, dict or a library's
+    ``ModelOutput``): the same object in profiling, planning, ``planner run``
+    and ``auto_parallel`` (the runtime rebuilds it on the last stage from the
+    stage's tensors). Without it, :func:`default_loss` is used.
 ``BATCH_SIZE: int`` (optional, default 8)
     The default global batch size.
 
@@ -286,6 +290,16 @@ def _import(path: Path) -> types.ModuleType:
             line = f" at line {exc.lineno}"
         else:
             line = _where(exc, path)
+        if "torchvision::nms does not exist" in str(exc):
+            raise _error(
+                path,
+                f"importing it raised {type(exc).__name__}{line}: {exc}",
+                "torchvision's compiled operators did not load: this torchvision is built for "
+                f"another build of torch ({_torch_version()}); transformers and timm import it",
+                "install the torchvision built for this torch (for a CPU build: pip install "
+                "torchvision --index-url https://download.pytorch.org/whl/cpu), or uninstall "
+                "torchvision if the model does not need it",
+            ) from exc
         raise _error(
             path,
             f"importing it raised {type(exc).__name__}{line}: {exc}",
@@ -300,6 +314,12 @@ def _import(path: Path) -> types.ModuleType:
         elif folder in sys.path:
             sys.path.remove(folder)
     return module
+
+
+def _torch_version() -> str:
+    import torch
+
+    return f"torch {torch.__version__}"
 
 
 def _where(exc: BaseException, path: Path) -> str:

@@ -182,3 +182,29 @@ def _flops(node) -> int:
         x, w = node.args[0].meta["val"], node.args[1].meta["val"]
         return 2 * x.numel() * w.shape[0]
     return 0
+
+
+class DataDependent(nn.Module):
+    """b's input has as many rows as a's output has positive first entries (nonzero)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        keep = torch.nonzero(h[:, 0] > -1e9).squeeze(1)
+        return self.c(self.b(torch.index_select(h, 0, keep)))
+
+
+def test_split_point_with_a_data_dependent_shape_crossing_is_excluded() -> None:
+    model = DataDependent()
+    cap = capture(model, (torch.randn(3, 4),))
+    assert cap.method == "export"  # the data-dependent size no longer stops export
+    chain = build_blocks(cap, model)
+    assert [b.name for b in chain.blocks] == ["a"]
+    assert {e.fqn for e in chain.excluded} == {"b", "c"}
+    reason = next(e.reason for e in chain.excluded if e.fqn == "b")
+    assert "data-dependent shape" in reason and "index_select" in reason and "[3, 4]" in reason
