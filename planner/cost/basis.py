@@ -110,6 +110,7 @@ class BlockTable:
         self.buffers = [0.0, *accumulate(float(x.buffer_bytes) for x in b)]
         self.act = [0.0, *accumulate(float(x.activation_bytes) * act_scale for x in b)]
         self.boundary = [float(x.boundary_bytes) for x in b]
+        self.copied = [float(x.boundary_copy_bytes) for x in b]
         self.output = [float(x.output_bytes) for x in b]
         self.loss_fwd = prof.loss_fwd_ms
         self.loss_bwd = prof.loss_bwd_ms

@@ -15,7 +15,10 @@ replicas, ``m`` micro-batches of ``b = B / (dp·m)`` samples):
   connections included) sent forward, and their gradients sent back, over the
   link joining the two stages' devices: latency + bytes / bandwidth (between
   CPU processes slowed like compute, and with a wake-up wait when the cores are
-  oversubscribed: ``CPU_OVERSUBSCRIBED_WAKEUP_S``).
+  oversubscribed: ``CPU_OVERSUBSCRIBED_WAKEUP_S``). A strided tensor among
+  them (a transposed residual, a channels-last view) is first copied dense by
+  the sender, and its gradient by the receiver: a read and a write of its
+  bytes at the device's memory bandwidth (``runtime.split.relay``).
 * **all-reduce** of the stage's gradients across its ``dp`` replicas (ring:
   2(n−1)/n · bytes / bandwidth), inside the stage's last backward (DDP), so it
   delays the gradient sent to the stage before; then the all-reduce of tied
@@ -173,11 +176,21 @@ class StageTime:
         """(forward, backward) transfer time per micro-batch on link s → s+1 at block j."""
         b = self.b
         nbytes = b.table(s).boundary[j] * b.act_scale
-        worst = 0.0
+        copied = b.table(s).copied[j] * b.act_scale
+        fwd = bwd = 0.0
         for r in range(b.layout.dp):
             src, dst = b.layout.ranks[s][r], b.layout.ranks[s + 1][r]
-            worst = max(worst, b.cluster.p2p_time(src, dst, nbytes) + self.wakeup_s)
-        return worst * 1e3 * self.comm_scale, worst * 1e3 * self.comm_scale
+            link = b.cluster.p2p_time(src, dst, nbytes) + self.wakeup_s
+            fwd = max(fwd, link + self._dense_copy_s(src, copied))
+            bwd = max(bwd, link + self._dense_copy_s(dst, copied))
+        return fwd * 1e3 * self.comm_scale, bwd * 1e3 * self.comm_scale
+
+    def _dense_copy_s(self, rank: int, nbytes: float) -> float:
+        """Copying ``nbytes`` of strided tensors dense on ``rank``'s device: read + write."""
+        if not nbytes:
+            return 0.0
+        dev = self.b.cluster.devices[rank].device
+        return 2 * nbytes / (dev.memory_bandwidth * dev.memory_efficiency)
 
     def optimizer_ms(self, s: int, i: int, j: int) -> float:
         """The optimizer step of stage s (tied copies included).

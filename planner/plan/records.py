@@ -45,6 +45,9 @@ class BlockCost(Record):
             starting here receives per micro-batch. 0 for block 0.
         crossing: those tensors as traced ("name: dtype[shape]", at the
             micro-batch size of the capture); empty in older profiles.
+        boundary_copy_bytes: the part of ``boundary_bytes`` in strided (not
+            contiguous) tensors: the sending stage copies them dense first, and
+            the receiving one their gradients (0 in older profiles).
         fwd_flops: forward FLOPs (``torch.utils.flop_counter``'s count).
         bwd_flops: backward FLOPs.
         fwd_bytes_moved: bytes read and written by the forward's operators (the
@@ -62,6 +65,7 @@ class BlockCost(Record):
     output_bytes: int
     boundary_bytes: int
     crossing: tuple[str, ...] = ()
+    boundary_copy_bytes: int = 0
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     fwd_bytes_moved: float = 0.0

@@ -248,6 +248,7 @@ def _block_costs(
             output_bytes=int(block.output_bytes * scale),
             boundary_bytes=int(block.boundary_bytes * scale),
             crossing=tuple(block.crossing),
+            boundary_copy_bytes=int(block.copy_bytes * scale),
             fwd_flops=times.fwd[k].flops,
             bwd_flops=times.bwd[k].flops,
             fwd_bytes_moved=times.fwd[k].bytes_moved,

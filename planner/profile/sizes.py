@@ -122,6 +122,7 @@ def _scaled_block(b: BlockCost, ratio: float, fwd_ms: float, bwd_ms: float) -> B
         activation_bytes=int(b.activation_bytes * ratio),
         output_bytes=int(b.output_bytes * ratio),
         boundary_bytes=int(b.boundary_bytes * ratio),
+        boundary_copy_bytes=int(b.boundary_copy_bytes * ratio),
         fwd_flops=b.fwd_flops * ratio,
         bwd_flops=b.bwd_flops * ratio,
         fwd_bytes_moved=b.fwd_bytes_moved * ratio,

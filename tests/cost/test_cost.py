@@ -207,6 +207,20 @@ def test_cut_and_sync_use_the_cluster_links() -> None:
     assert cm.sync(0, 0, 2) == pytest.approx(ring + optim)
 
 
+def test_strided_tensors_across_a_cut_are_priced_as_a_dense_copy() -> None:
+    prof = _profile()
+    strided = replace(
+        prof,
+        blocks=tuple(replace(b, boundary_copy_bytes=b.boundary_bytes // 2) for b in prof.blocks),
+    )
+    dense, copied = _model(prof=prof), _model(prof=strided)
+    dev = dense.cluster.devices[0].device
+    copy_ms = 2 * MB * 1e3 / (dev.memory_bandwidth * dev.memory_efficiency)  # 1 MiB read + write
+    (f0, b0), (f1, b1) = dense.time.cut(0, 2), copied.time.cut(0, 2)
+    assert f1 - f0 == pytest.approx(copy_ms) and b1 - b0 == pytest.approx(copy_ms)
+    assert copied.predict((0, 2)).step_ms > dense.predict((0, 2)).step_ms
+
+
 def test_prediction_matches_the_schedule() -> None:
     cm = _model(pp=2, m=4)
     pred = cm.predict((0, 2))
