@@ -111,13 +111,20 @@ def search(
         types = sorted({cluster.devices[r].device.key for st in cfg.grid for r in st})
         cost = CostModel({t: profile_for(t, b) for t in types}, cluster, training, layout)
         try:
-            sol = place(cost, options, allowed_starts, block_names or (), prove=False)
+            ceiling = best_ms if math.isfinite(best_ms) else None
+            sol = place(
+                cost, options, allowed_starts, block_names or (), prove=False, ceiling=ceiling
+            )
         except PartitionInfeasible as exc:
             tried.append((cfg, candidate(cfg, None, "out_of_memory", first_line(exc))))
             oom_costs.append(cost)
             continue
         except PartitionTimeout as exc:
             tried.append((cfg, candidate(cfg, None, "timeout", first_line(exc))))
+            continue
+        if sol.step > best_ms and sol.bound >= best_ms:  # proven: cannot beat the best
+            why = f"its MILP's lower bound {sol.bound:.1f} ms ≥ best {best_ms:.1f} ms (proven)"
+            tried.append((cfg, candidate(cfg, None, "pruned", why)))
             continue
         pred = cost.predict(sol.starts)
         tried.append((cfg, candidate(cfg, pred.step_ms, "solved", "")))
@@ -169,6 +176,7 @@ def place(
     prove: bool = True,
     starts: Sequence[tuple[int, ...]] = (),
     closed_form: bool = True,
+    ceiling: float | None = None,
 ) -> StepSolution:
     """The placement of least simulated step for ``cost``'s layout, and its proof.
 
@@ -176,6 +184,7 @@ def place(
     is left for the configuration the plan keeps: see ``solve_step``).
     ``starts``: more placements to start from. ``closed_form=False``: not the
     closed-form ILP's (a placement of ``starts`` already descends from it).
+    ``ceiling``: the best step of the configurations before (``solve_step``).
 
     The closed-form ILP's placement and the usual heuristics' (uniform,
     parameter- and time-balanced) are the step solver's warm starts; both
@@ -210,6 +219,7 @@ def place(
             time_limit_s=left,
             warm_starts=seeds,
             prove=prove,
+            ceiling=ceiling,
         )
     except PartitionInfeasible:
         if refused is not None:

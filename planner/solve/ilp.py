@@ -80,6 +80,7 @@ class Outcome:
     has_solution: bool
     bound: float | None  # the solver's own dual bound
     detail: str  # the solver's words
+    infeasible: bool = False  # the solver proved that no solution exists
 
 
 class HighsSolver(pulp.HiGHS):
@@ -175,6 +176,7 @@ def run_highs(
         limited=status == highspy.HighsModelStatus.kTimeLimit,
         has_solution=has and prob.status == pulp.LpStatusOptimal,
         bound=bound,
+        infeasible=status == highspy.HighsModelStatus.kInfeasible,
         detail=f"HiGHS: {h.modelStatusToString(status)} (its gap {info.mip_gap:.3g}, "
         f"bound {info.mip_dual_bound:.8g}; PuLP: {pulp.LpStatus[prob.status]})",
     )
@@ -232,6 +234,7 @@ def run_cbc(prob: pulp.LpProblem, time_limit: float | None, threads: int | None)
         has_solution=prob.status == pulp.LpStatusOptimal
         and prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible),
         bound=bound,
+        infeasible=prob.status == pulp.LpStatusInfeasible,
         detail=f"CBC: {words} ("
         + (f"its gap {gap.group(1)}, bound {lower.group(1)}; " if gap and lower else "")
         + f"PuLP: {pulp.LpStatus[prob.status]})",

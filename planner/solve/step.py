@@ -92,6 +92,7 @@ def solve_step(
     warm_starts: Sequence[Sequence[int]] = (),
     threads: int | None = None,
     prove: bool = True,
+    ceiling: float | None = None,
 ) -> StepSolution:
     """The placement with the shortest step (``problem.evaluate``), and its proof.
 
@@ -112,6 +113,12 @@ def solve_step(
             (status "bounded", bound 0, method "search"): the MILP of a bounded
             problem costs seconds and yields a bound only, worth it for the one
             configuration a plan keeps. Exact problems are always proven.
+        ceiling: a step reached already (another configuration's). For an
+            exact problem whose incumbent is above it, the MILP asks only for a
+            placement at or below it; when there is none, the answer is the
+            incumbent with status "bounded" and bound = ``ceiling``: proven no
+            faster than the step already reached, without the cost of its own
+            optimum (a configuration that cannot win is not solved to the end).
 
     Raises:
         PartitionInfeasible: no placement fits the stages' memory.
@@ -124,6 +131,7 @@ def solve_step(
     if time_limit_s is not None and not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be > 0 seconds or None (got {time_limit_s!r})")
     run = _Run(StepTable(problem), name, t0, t0 + (time_limit_s or math.inf), threads, prove)
+    run.ceiling = ceiling
     for ws in warm_starts:
         idx = run.t.indices(ws)
         if run.t.fits_all(idx):
@@ -166,6 +174,7 @@ class _Run:
     n_segments: int = 0
     steps: dict[tuple[int, ...], float] = field(default_factory=dict)  # every one evaluated
     polish_left: list[int] | None = None
+    ceiling: float | None = None
 
     def offer(self, idx: list[int]) -> float:
         """Evaluate a placement; keep it when it beats the incumbent."""
@@ -251,8 +260,13 @@ class _Run:
         return outcome
 
     def milp(self, layers: Layers) -> StepSolution:
-        prob, x = build_step_ilp(self.t, layers, self.best)
+        c = self.ceiling
+        ceiling = c if c is not None and self.t.p.exact and c < self.U else None
+        prob, x = build_step_ilp(self.t, layers, self.best, ceiling)
         outcome = self.solve_milp(prob)
+        if ceiling is not None and outcome.infeasible:
+            note = f"no placement at or below {ceiling:.6g} ms (proven; {outcome.detail})"
+            return self.answer("bounded", ceiling, "milp", note)
         path = chosen(self.t, x) if outcome.has_solution else None
         if path is not None and tuple(path) not in self.steps:
             step = self.offer(path)

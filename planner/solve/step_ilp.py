@@ -37,9 +37,13 @@ _X = dict[tuple[int, int, int], pulp.LpVariable]
 
 
 def build_step_ilp(
-    t: StepTable, layers: Layers, start: Sequence[int] | None
+    t: StepTable, layers: Layers, start: Sequence[int] | None, ceiling: float | None = None
 ) -> tuple[pulp.LpProblem, _X]:
-    """The MILP of [Note: the step MILP] over ``layers``, with ``start`` as initial values."""
+    """The MILP of [Note: the step MILP] over ``layers``, with ``start`` as initial values.
+
+    ``ceiling``: only placements whose step is at most this (the MILP is
+    infeasible when there is none: a proof that is cheaper than the optimum's).
+    """
     p, S = t.p, t.S
     prob = pulp.LpProblem("step", pulp.LpMinimize)
     new = getattr(prob, "add_variable", pulp.LpVariable)  # PuLP ≥ 3.3 owns its variables
@@ -86,6 +90,8 @@ def build_step_ilp(
             terms = [(v, -t.bound(s, a, b)) for a, b, v in by_stage[s]]
             prob += pulp.LpAffineExpression([(T, 1.0), *terms]) >= 0, f"bound_{s}"
     z = _joins(prob, t, layers, x, starts, ends)
+    if ceiling is not None:
+        prob += pulp.LpAffineExpression([(T, 1.0)]) <= ceiling, "ceiling"
     prob.setObjective(pulp.LpAffineExpression([(T, 1.0)]))
     if start is not None:
         _initial(t, start, x, F, C, starts, T, z)
