@@ -93,14 +93,7 @@ def relay(pipe: Any) -> None:
     inputs = [x for x in graph.nodes if x.op == "placeholder"]
     output = next(x for x in graph.nodes if x.op == "output")
     index = {node: i for i, node in enumerate(stages)}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is operator.getitem:
-            if node.args[0] not in index:
-                raise StageError(f"the pipe's graph indexes {node.args[0]}, not a stage's output")
-        elif node.op not in ("placeholder", "call_module", "output"):
-            raise StageError(f"the pipe's graph holds a {node.op} node ({node.name}) among stages")
-        elif node.op == "call_module" and node.kwargs:
-            raise StageError(f"stage {node.name} takes keyword arguments in the pipe's graph")
+    _check_chain(graph, index)
     n = len(stages)
 
     def source(arg: torch.fx.Node) -> Source:
@@ -160,6 +153,18 @@ def relay(pipe: Any) -> None:
             raise StageError(f"stage {i}'s outputs are read as {order}, not in order")
     graph.lint()
     root.recompile()
+
+
+def _check_chain(graph: torch.fx.Graph, index: dict[torch.fx.Node, int]) -> None:
+    """The pipe's graph is inputs, stage calls and their getitems, and the output."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            if node.args[0] not in index:
+                raise StageError(f"the pipe's graph indexes {node.args[0]}, not a stage's output")
+        elif node.op not in ("placeholder", "call_module", "output"):
+            raise StageError(f"the pipe's graph holds a {node.op} node ({node.name}) among stages")
+        elif node.op == "call_module" and node.kwargs:
+            raise StageError(f"stage {node.name} takes keyword arguments in the pipe's graph")
 
 
 def _nodes_in(arg: Any) -> list[torch.fx.Node]:
