@@ -334,8 +334,10 @@ def _type_name(cls: type) -> str:
 
 def _value_info(val: Any) -> ValueInfo:
     if isinstance(val, torch.Tensor):
-        dense = bool(val.is_contiguous()) if not free_unbacked_symbols(val.shape) else True
-        return TensorInfo(tuple(int(d) for d in val.shape), val.dtype, contiguous=dense)
+        # Never of a data-dependent shape here: export's such nodes are read from a run.
+        return TensorInfo(
+            tuple(int(d) for d in val.shape), val.dtype, contiguous=bool(val.is_contiguous())
+        )
     if val is None:
         return "None"
     return type(val).__name__

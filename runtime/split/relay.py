@@ -91,7 +91,7 @@ def relay(pipe: Any) -> None:
     graph: torch.fx.Graph = root.graph
     stages = [x for x in graph.nodes if x.op == "call_module"]
     inputs = [x for x in graph.nodes if x.op == "placeholder"]
-    output = next(x for x in graph.nodes if x.op == "output")
+    output = _output(graph)
     index = {node: i for i, node in enumerate(stages)}
     _check_chain(graph, index)
     n = len(stages)
@@ -177,6 +177,10 @@ def _placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [x for x in graph.nodes if x.op == "placeholder"]
 
 
+def _output(graph: torch.fx.Graph) -> torch.fx.Node:
+    return next(x for x in graph.nodes if x.op == "output")
+
+
 def _meta(value: Any) -> Any:
     return value.meta.get("val") if isinstance(value, torch.fx.Node) else value
 
@@ -191,7 +195,7 @@ def _values(
         for p, arg in zip(_placeholders(graph), node.args, strict=True):
             if arg.op == "placeholder" and vals.get(("input", arg.name)) is None:
                 vals[("input", arg.name)] = p.meta.get("val")
-        out = next(x for x in graph.nodes if x.op == "output").args[0]
+        out = _output(graph).args[0]
         if isinstance(out, (tuple, list)):
             for j, leaf in enumerate(out):
                 vals[("stage", (k, j))] = _meta(leaf)
@@ -249,8 +253,8 @@ def _rewrite_stage(
                     user.replace_input_with(p, guard)
                 local[src] = guard
     if sends is not None:
-        out_node = next(x for x in graph.nodes if x.op == "output")
-        made = out_node.args[0]
+        out_node = _output(graph)
+        made: Any = out_node.args[0]
         results = []
         for src in sends:
             if src[0] == "stage" and src[1][0] == i:
@@ -266,7 +270,7 @@ def _rewrite_stage(
             results.append(value)
         out_node.args = (tuple(results),)
     elif tail:
-        out_node = next(x for x in graph.nodes if x.op == "output")
+        out_node = _output(graph)
         made = out_node.args[0]
         own = tuple(made) if isinstance(made, (tuple, list)) else (made,)
         out_node.args = (own + tuple(local[src] for src in tail),)
