@@ -172,6 +172,16 @@ def check_consistent(plan: Plan, path: str) -> None:
     if len(plan.stages) != plan.pp:
         raise err(f"layout.pp is {plan.pp} but stages lists {len(plan.stages)} stages")
     tr = plan.training
+    small = [
+        f"training.{key} {getattr(tr, key)}"
+        for key in ("global_batch", "micro_batches", "micro_batch_size")
+        if getattr(tr, key) < 1
+    ]
+    if small:
+        raise err(
+            f"{', '.join(small)}: must be ≥ 1 (a step trains at least one micro-batch of one "
+            "sample on each replica); fix the value or re-plan (planner plan --batch-size N)"
+        )
     if tr.global_batch != plan.dp * tr.micro_batches * tr.micro_batch_size:
         raise err(
             f"training.global_batch {tr.global_batch} ≠ dp × micro_batches × "
@@ -193,6 +203,7 @@ def check_consistent(plan: Plan, path: str) -> None:
         prev_end = st.blocks[1]
         if k > 0 and not st.split_point:
             raise err(f"{where}.split_point is empty; every stage after the first needs one")
+        _check_stage_modules(plan, k, err)
         dup = seen & set(st.ranks)
         if dup:
             raise err(f"{where}.ranks reuses rank(s) {sorted(dup)} already used by another stage")
@@ -210,6 +221,55 @@ def check_consistent(plan: Plan, path: str) -> None:
     if plan.step is not None:
         _check_step(plan.step, plan, err)
     _check_solver(plan, err)
+
+
+def _check_stage_modules(plan: Plan, k: int, err: Callable[[str], PlanError]) -> None:
+    """Stage ``k``'s split point, blocks and modules tell one story.
+
+    The planner writes (``planner.planning.stage_plans``) a stage's modules as
+    those of its blocks, in order, and its split point as the name of its
+    first block (the first module call the stage runs; "" for stage 0). The
+    runtime splits at the split points alone, so an edit of one that the
+    others do not follow would run a placement the plan did not predict.
+    Without a profile, only the split point against the modules is checked.
+    """
+    st, where = plan.stages[k], f"stages[{k}]"
+    fix = "edit split_point, blocks and modules together, or re-plan"
+    if k == 0:
+        if st.split_point:
+            raise err(
+                f"{where}.split_point is {st.split_point!r}; the first stage starts at the "
+                'model\'s inputs, so it must be empty ("")'
+            )
+    elif not st.modules or not (
+        st.split_point == st.modules[0] or st.split_point.startswith(st.modules[0] + ".")
+    ):
+        first = repr(st.modules[0]) if st.modules else "none (modules is empty)"
+        raise err(
+            f"{where}.split_point {st.split_point!r} is not the stage's first module call "
+            f"(modules[0] is {first}); {fix}"
+        )
+    if not plan.profiles:
+        return
+    blocks = plan.profiles[0].blocks
+    i, j = st.blocks
+    if j > len(blocks):
+        return  # the coverage check names it, with the profile's block count
+    if k > 0 and st.split_point != blocks[i].name:
+        raise err(
+            f"{where}.split_point is {st.split_point!r} but its first block, {i}, starts at "
+            f"{blocks[i].name!r} (profiles[0].blocks[{i}].name); {fix}"
+        )
+    want = [m for b in blocks[i:j] for m in b.modules]
+    if list(st.modules) != want:
+        extra = [m for m in st.modules if m not in want]
+        missing = [m for m in want if m not in st.modules]
+        diff = f"not in its blocks {extra[:3]}" if extra else ""
+        diff += ("; " if diff and missing else "") + (f"missing {missing[:3]}" if missing else "")
+        raise err(
+            f"{where}.modules ({len(st.modules)}) are not those of its blocks {list(st.blocks)} "
+            f"({len(want)} in profiles[0].blocks[{i}:{j}]): {diff or 'another order'}; {fix}"
+        )
 
 
 QUANTITIES = ("predicted.step_ms", "predicted.closed_form_ms")
