@@ -15,7 +15,25 @@ nothing is executed into the planner's globals. It defines:
     a tuple or list (its positional arguments) or a dict (its keyword
     arguments); ``targets`` is whatever the loss takes. The first tensor of
     ``inputs`` and every tensor of ``targets`` (0-d ones excepted) have
-    ``batch_size`` as dim 0: the dimension cut into micro-batches.
+    ``batch_size`` as dim 0: the dimension cut into micro-batches. The planner
+    traces and profiles on it; ``planner run`` trains on it when there is no
+    ``dataset``, calling it with torch's RNG seeded to ``seed + step``: draw
+    from torch's RNG (``torch.randn(batch_size, 512)``), or from a generator
+    seeded with ``torch.initial_seed()``, so that every step gets new data.
+    (A generator seeded with a constant, or with ``batch_size``, trains every
+    step on one batch.)
+``dataset() -> torch.utils.data.Dataset`` (optional)
+    The training data of ``planner run``: a map-style dataset (``len(ds)`` and
+    ``ds[i]``), each item ``(inputs, targets)`` of ONE sample, no batch
+    dimension. Each data-parallel replica reads only its shard of each step's
+    global batch (``runtime.data``: an epoch permutation seeded by ``--seed``
+    and the epoch, the same on every rank, so a resumed run reads what an
+    uninterrupted one would). It is called once per worker: open files there,
+    do not load them all (``ds[i]`` reads one sample).
+``collate(samples: list) -> (inputs, targets)`` (optional)
+    Stacks a list of ``dataset`` items into one batch, as ``sample_batch``
+    returns it; default ``torch.utils.data.default_collate`` (tensors stacked
+    along a new dim 0, numbers made tensors, tuples and dicts entry by entry).
 ``loss_fn(outputs, targets) -> Tensor`` (optional)
     The scalar training loss, a mean over the batch. ``outputs`` is exactly
     what the model returns (a tensor, tuple, dict or a library's
@@ -39,19 +57,18 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import importlib.machinery
-import importlib.util
 import os
-import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
+from torch.utils.data import IterableDataset, default_collate
 
 from planner.plan.batch import Batch, normalize_inputs, tensors_in
 from planner.plan.default_loss import default_loss
+from planner.plan.modelimport import ModelFileError, contract_error, import_fresh, where
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
@@ -68,20 +85,8 @@ MODULE_PREFIX = "_planner_model_"
 """The start of a loaded model file's module name (then a hash of its path)."""
 
 _REQUIRED = ("build_model", "sample_batch")
-_OPTIONAL = ("loss_fn", "BATCH_SIZE")
-_EXPECTED = (
-    "build_model(**overrides) -> nn.Module (required), "
-    "sample_batch(batch_size) -> (inputs, targets) (required), "
-    "loss_fn(outputs, targets) -> Tensor (optional), BATCH_SIZE: int (optional)"
-)
-
-
-class ModelFileError(ValueError):
-    """A model file breaks the contract; the message names the file, the cause and the fix."""
-
-
-def _error(path: Path, what: str, why: str, fix: str) -> ModelFileError:
-    return ModelFileError(f"{path}: {what}\n  why: {why}\n  fix: {fix}\n  contract: {_EXPECTED}")
+_OPTIONAL = ("loss_fn", "BATCH_SIZE", "dataset", "collate")
+_FUNCTIONS = (*_REQUIRED, "loss_fn", "dataset", "collate")
 
 
 # ----------------------------------------------------------------------------- the model file
@@ -112,10 +117,15 @@ class ModelFile:
         """Whether the file defines its own ``loss_fn``."""
         return callable(getattr(self.module, "loss_fn", None))
 
+    @property
+    def has_dataset(self) -> bool:
+        """Whether the file defines ``dataset()``: ``planner run`` then trains on it."""
+        return callable(getattr(self.module, "dataset", None))
+
     def _raised(self, call: str, exc: Exception) -> ModelFileError:
-        return _error(
+        return contract_error(
             self.path,
-            f"{call} raised {type(exc).__name__}{_where(exc, self.path)}: {exc}",
+            f"{call} raised {type(exc).__name__}{where(exc, self.path)}: {exc}",
             "the planner needs the model and a sample batch to trace and profile it",
             f"fix the error in {call.split('(')[0]} (the chained traceback shows the whole "
             "stack; `planner -v` prints it); build_model is called with no arguments, so its "
@@ -133,7 +143,7 @@ class ModelFile:
         except Exception as exc:
             raise self._raised("build_model()", exc) from exc
         if not isinstance(model, nn.Module):
-            raise _error(
+            raise contract_error(
                 self.path,
                 f"build_model() returned {type(model).__name__}, not a torch.nn.Module",
                 "the planner traces, profiles and splits an nn.Module",
@@ -156,13 +166,78 @@ class ModelFile:
             result = self.module.sample_batch(batch_size)
         except Exception as exc:
             raise self._raised(call, exc) from exc
+        return self._checked(call, result, batch_size, "sample_batch")
+
+    def dataset(self) -> Any:
+        """Call ``dataset()`` and check that it is a map-style dataset with samples.
+
+        Example::
+
+            >>> ds = mf.dataset()  # doctest: +SKIP
+            >>> batch = mf.collate([ds[i] for i in range(4)])  # doctest: +SKIP
+
+        Raises:
+            ModelFileError: the file has no ``dataset``; it raised; or it returned
+                something without ``len()`` and ``[i]`` (an iterable dataset),
+                or an empty one.
+        """
+        if not self.has_dataset:
+            raise contract_error(
+                self.path,
+                "defines no dataset()",
+                "only a file that defines dataset() has one to read",
+                "define `def dataset(): return MyDataset(...)`, or train on sample_batch",
+            )
+        try:
+            ds = self.module.dataset()
+        except Exception as exc:
+            raise self._raised("dataset()", exc) from exc
+        kind = type(ds).__name__
+        if isinstance(ds, IterableDataset) or not (
+            hasattr(ds, "__len__") and hasattr(ds, "__getitem__")
+        ):
+            raise contract_error(
+                self.path,
+                f"dataset() returned a {kind}, which has no len() and [i]",
+                "the runtime shards each step's samples over the replicas by index, so that "
+                "every replica reads only its own and a resumed run reads the same ones",
+                "return a map-style torch.utils.data.Dataset (__len__ and __getitem__); wrap a "
+                "stream by reading it into a list, or index its files",
+            )
+        if len(ds) < 1:
+            raise contract_error(
+                self.path,
+                f"dataset() returned an empty {kind} (len 0)",
+                "the runtime trains on its samples",
+                "return the dataset with its samples (is its path right?)",
+            )
+        return ds
+
+    def collate(self, samples: list[Any]) -> Batch:
+        """Stack ``dataset`` items into a batch: the file's ``collate``, or ``default_collate``.
+
+        Raises:
+            ModelFileError: collating raised, or gave a batch that is not
+                ``(inputs, targets)`` with ``len(samples)`` as dim 0.
+        """
+        own = callable(getattr(self.module, "collate", None))
+        call = f"{'collate' if own else 'default_collate'}(<{len(samples)} samples>)"
+        try:
+            result = self.module.collate(samples) if own else default_collate(samples)
+        except Exception as exc:
+            raise self._raised(call, exc) from exc
+        return self._checked(call, result, len(samples), "collate" if own else "dataset")
+
+    def _checked(self, call: str, result: Any, batch_size: int, fn: str) -> Batch:
+        """``result`` as a Batch, if it is ``(inputs, targets)`` batch first, of ``batch_size``."""
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             n = f" of length {len(result)}" if isinstance(result, (tuple, list)) else ""
-            raise _error(
+            raise contract_error(
                 self.path,
                 f"{call} returned a {type(result).__name__}{n}, not a pair (inputs, targets)",
                 "the planner feeds `inputs` to the model's forward and `targets` to the loss",
-                "end sample_batch with `return inputs, targets`",
+                f"end {fn} with `return inputs, targets`"
+                + (" (each item of the dataset is one sample's pair)" if fn == "dataset" else ""),
             )
         inputs, targets = result
         try:
@@ -170,7 +245,7 @@ class ModelFile:
             batch = Batch(args=args, kwargs=kwargs, targets=targets)
             size = batch.size
         except (TypeError, ValueError) as exc:
-            raise _error(
+            raise contract_error(
                 self.path,
                 f"{call} returned unusable inputs: {exc}",
                 "the planner calls model(*args, **kwargs) and cuts dim 0 into micro-batches",
@@ -181,12 +256,14 @@ class ModelFile:
             got = f"inputs with batch dimension {size}" if size != batch_size else ""
             got += " and " if got and bad else ""
             got += f"targets of shape(s) {bad}" if bad else ""
-            raise _error(
+            raise contract_error(
                 self.path,
                 f"{call} returned {got}; dim 0 should be {batch_size}",
                 "the planner cuts dim 0 of the inputs and targets into micro-batches, and "
                 "needs the batch size it asked for",
-                "build the batch from the `batch_size` argument, batch first: (batch_size, ...)",
+                "build the batch from the `batch_size` argument, batch first: (batch_size, ...)"
+                if fn == "sample_batch"
+                else f"{fn} must give one sample per item, stacked batch first",
             )
         return batch
 
@@ -201,7 +278,7 @@ class ModelFile:
         value = self.module.loss_fn(outputs, targets)
         if not isinstance(value, Tensor) or value.numel() != 1:
             got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise _error(
+            raise contract_error(
                 self.path,
                 f"loss_fn returned {got}, not a scalar tensor",
                 "the planner calls backward() on the loss",
@@ -242,18 +319,19 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
     elif given.suffix != ".py":
         problem = f"is not a Python file (suffix {given.suffix!r}, expected '.py')"
     if problem:
-        raise _error(
+        raise contract_error(
             given,
             problem,
             "the planner imports one Python file to build the model and a sample batch",
             f"pass the path of a .py file (relative to {Path.cwd()}) that follows the contract",
         )
     resolved = given.resolve()
-    module = _import(resolved)
+    name = MODULE_PREFIX + hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
+    module = import_fresh(resolved, name)
     _check_names(resolved, module)
     batch_size = getattr(module, "BATCH_SIZE", DEFAULT_BATCH_SIZE)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise _error(
+        raise contract_error(
             resolved,
             f"BATCH_SIZE is {batch_size!r}, not a positive int",
             "it is the default global batch size the planner plans for",
@@ -262,88 +340,9 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
     return ModelFile(path=resolved, module=module, batch_size=batch_size)
 
 
-class _FreshSourceLoader(importlib.machinery.SourceFileLoader):
-    """Compiles from source every time: a quick edit never meets a stale ``.pyc``."""
-
-    def get_code(self, fullname: str) -> types.CodeType:
-        path = self.get_filename(fullname)
-        return self.source_to_code(self.get_data(path), path)
-
-
-def _import(path: Path) -> types.ModuleType:
-    name = MODULE_PREFIX + hashlib.sha256(str(path).encode()).hexdigest()[:16]
-    spec = importlib.util.spec_from_file_location(
-        name, path, loader=_FreshSourceLoader(name, str(path))
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    folder = str(path.parent)
-    # In sys.modules while it runs: dataclasses, typing and pickle look classes
-    # up there. A reload replaces the entry with the fresh module.
-    sys.modules[name] = module
-    sys.path.insert(0, folder)
-    try:
-        spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:
-        sys.modules.pop(name, None)
-        if isinstance(exc, SyntaxError) and exc.lineno and exc.filename == str(path):
-            line = f" at line {exc.lineno}"
-        else:
-            line = _where(exc, path)
-        if "torchvision::nms does not exist" in str(exc):
-            raise _error(
-                path,
-                f"importing it raised {type(exc).__name__}{line}: {exc}",
-                "torchvision's compiled operators did not load: this torchvision is built for "
-                f"another build of torch ({_torch_version()}); transformers and timm import it",
-                "install the torchvision built for this torch (for a CPU build: pip install "
-                "torchvision --index-url https://download.pytorch.org/whl/cpu), or uninstall "
-                "torchvision if the model does not need it",
-            ) from exc
-        raise _error(
-            path,
-            f"importing it raised {type(exc).__name__}{line}: {exc}",
-            "the planner imports the model file to find build_model and sample_batch",
-            f"fix the error (`python {path.name}` reproduces it; the chained traceback, "
-            f"`planner -v`, shows the whole stack). Sibling modules in {folder} are importable",
-        ) from exc
-    finally:
-        # Ours is at 0 unless the file edited sys.path; never drop an entry the user had.
-        if sys.path and sys.path[0] == folder:
-            del sys.path[0]
-        elif folder in sys.path:
-            sys.path.remove(folder)
-    return module
-
-
-def _torch_version() -> str:
-    import torch
-
-    return f"torch {torch.__version__}"
-
-
-def _where(exc: BaseException, path: Path) -> str:
-    """' at line N (`source`)': the last line of ``path`` in the traceback, or ''."""
-    import linecache
-    import traceback
-
-    found = None
-    for frame, lineno in traceback.walk_tb(exc.__traceback__):
-        if frame.f_code.co_filename == str(path):
-            found = lineno
-    if found is None:
-        return ""
-    source = linecache.getline(str(path), found).strip()
-    return f" at line {found}" + (f" (`{source}`)" if source else "")
-
-
 def _check_names(path: Path, module: types.ModuleType) -> None:
     missing = [n for n in _REQUIRED if not hasattr(module, n)]
-    uncallable = [
-        n
-        for n in (*_REQUIRED, "loss_fn")
-        if hasattr(module, n) and not callable(getattr(module, n))
-    ]
+    uncallable = [n for n in _FUNCTIONS if hasattr(module, n) and not callable(getattr(module, n))]
     if not missing and not uncallable:
         return
     present = [n for n in (*_REQUIRED, *_OPTIONAL) if hasattr(module, n)]
@@ -355,11 +354,11 @@ def _check_names(path: Path, module: types.ModuleType) -> None:
         for n in missing
         if (close := difflib.get_close_matches(n, public, n=2, cutoff=0.6))
     ]
-    raise _error(
+    raise contract_error(
         path,
         f"breaks the model-file contract: {'; '.join(problems)} "
         f"(present: {', '.join(present) or 'none of the expected names'})",
         "the planner calls build_model() and sample_batch(batch_size), and loss_fn if defined",
-        "define build_model and sample_batch (and loss_fn, if used) as top-level functions"
-        + (f"; close names found: {', '.join(hints)}" if hints else ""),
+        "define build_model and sample_batch (and loss_fn, dataset, collate, if used) as "
+        "top-level functions" + (f"; close names found: {', '.join(hints)}" if hints else ""),
     )
