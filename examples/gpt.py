@@ -186,8 +186,8 @@ def build_model(
 
 
 def sample_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token ids and their next tokens, the same for the same ``batch_size``."""
-    gen = torch.Generator().manual_seed(batch_size)
+    """Random token ids and their next tokens: new each step (torch's seed), RNG untouched."""
+    gen = torch.Generator().manual_seed(torch.initial_seed())  # planner run: seed + step
     seq, vocab = int(_env("GPT_SEQ", 128)), int(_env("GPT_VOCAB", 16384))
     tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=gen)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

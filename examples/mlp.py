@@ -56,8 +56,8 @@ def build_model(*, scale: int | None = None, in_features: int | None = None) -> 
 
 
 def sample_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random features and class ids, the same for the same ``batch_size``."""
-    gen = torch.Generator().manual_seed(batch_size)
+    """Random features and class ids: new each step (torch's seed), the global RNG untouched."""
+    gen = torch.Generator().manual_seed(torch.initial_seed())  # planner run: seed + step
     x = torch.randn(batch_size, _env_int("MLP_IN", 512), generator=gen)
     y = torch.randint(0, N_CLASSES, (batch_size,), generator=gen)
     return x, y

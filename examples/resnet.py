@@ -95,8 +95,8 @@ def build_model(*, width: int | None = None, blocks: int | None = None) -> ResNe
 
 
 def sample_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random images and class ids, the same for the same ``batch_size``."""
-    gen = torch.Generator().manual_seed(batch_size)
+    """Random images and class ids: new each step (torch's seed), the global RNG untouched."""
+    gen = torch.Generator().manual_seed(torch.initial_seed())  # planner run: seed + step
     res = _env_int("RESNET_RES", 32)
     x = torch.randn(batch_size, 3, res, res, generator=gen)
     y = torch.randint(0, N_CLASSES, (batch_size,), generator=gen)

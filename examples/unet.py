@@ -103,8 +103,8 @@ def build_model(
 
 
 def sample_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random images and per-pixel class ids, the same for the same ``batch_size``."""
-    gen = torch.Generator().manual_seed(batch_size)
+    """Random images and per-pixel class ids: new each step (torch's seed), RNG untouched."""
+    gen = torch.Generator().manual_seed(torch.initial_seed())  # planner run: seed + step
     res = _env_int("UNET_RES", 64)
     depth = _env_int("UNET_DEPTH", 3)
     if res % 2**depth:

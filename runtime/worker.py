@@ -16,10 +16,11 @@ Started by ``torchrun`` or by ``planner run`` (``runtime.launch``), every worker
 3. resumes from the newest complete checkpoint in ``--checkpoint-dir``, if any
    (``--steps`` counts from the start of training: a run resumed at step 40
    with ``--steps 100`` trains steps 41 to 100);
-4. trains: the batch of step n is ``sample_batch(plan.global_batch)`` called
-   with torch's RNG seeded to ``seed + n`` (deterministic per step, whatever
-   ran before; the training RNG is untouched), and each rank's RNG is then
-   seeded per (stage, replica, step) for dropout (``checkpoint.seed_step``);
+4. trains: the batch of step n is its replica's shard of the model file's
+   ``dataset()``, or else ``sample_batch(plan.global_batch)`` called with
+   torch's RNG seeded to ``seed + n`` (:mod:`runtime.data`: deterministic per
+   step, whatever ran before; the training RNG is untouched), and each rank's
+   RNG is then seeded per (stage, replica, step) for dropout (``checkpoint.seed_step``);
    rank 0 prints each step's loss and throughput; a checkpoint is saved every
    ``--checkpoint-every`` steps and at the end; with ``--step-log DIR`` every
    rank appends one JSON line per step to ``DIR/rank{R}.jsonl`` (step, loss,
@@ -57,6 +58,7 @@ from planner.plan.files import load_plan
 from planner.plan.modelfile import ModelFile, load_model_file
 from planner.plan.schema import Plan, plan_summary
 from runtime.checkpoint import latest_complete, load, save, seed_step
+from runtime.data import Feed, replica_of
 from runtime.engine import ParallelModel
 from runtime.failure import Where, fail, finish
 from runtime.launch import cpu_threads
@@ -97,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(opts: RunOptions) -> int:
     plan = load_plan(opts.plan)
     mf = load_model_file(opts.model_file)
-    pm, first = _build(plan, mf, opts)
+    pm, feed = _build(plan, mf, opts)
     Where.prefix = pm.mesh.prefix
     lead = pm.mesh.rank == 0
     start = 0
@@ -109,7 +111,7 @@ def _train(opts: RunOptions) -> int:
             _say(lead, f"resumed from {path} (step {start})")
     _say(lead, f"training {opts.model_file}: {plan_summary(plan)}; steps {start + 1}..{opts.steps}")
     recorder = Recorder(pm, warmup_steps=opts.warmup_steps, first_step=start)
-    _loop(pm, mf, plan, opts, first, start, lead)
+    _loop(pm, feed, plan, opts, start, lead)
     trained = opts.steps > start
     every = opts.checkpoint_every
     if opts.checkpoint_dir and trained and not (every and opts.steps % every == 0):
@@ -129,14 +131,16 @@ def _train(opts: RunOptions) -> int:
     return 0
 
 
-def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, Batch]:
-    """This rank's stage of the plan, and the first step's batch (its sample too)."""
+def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, Feed]:
+    """This rank's stage of the plan, and its replica's feed of batches (runtime.data)."""
     threads = cpu_threads(plan, int(os.environ.get("RANK", "0")))
     if threads and not torch.cuda.is_available():
         torch.set_num_threads(threads)  # as the plan measured this device
     torch.manual_seed(opts.seed)  # the same initial weights on every rank
     model = mf.build()
-    first = _batch(mf, plan, 0, opts.seed)
+    replica = replica_of(plan, int(os.environ.get("RANK", "0")))
+    feed = Feed.of(mf, plan, replica=replica, seed=opts.seed)
+    first = feed.batch(0)  # this replica's: traces the stage, then trains step 1
     kind = opts.optimizer or (plan.optimizer if plan.optimizer in LEARNING_RATES else "adam")
     pm = ParallelModel.from_plan(
         model,
@@ -147,15 +151,16 @@ def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, 
         split=opts.split,
         timeout_s=opts.timeout or DEFAULT_TIMEOUT_S,
     )
-    return pm, first
+    assert pm.mesh.replica == replica, (pm.mesh.replica, replica)
+    _say(pm.mesh.rank == 0, feed.describe())
+    return pm, feed
 
 
 def _loop(
     pm: ParallelModel,
-    mf: ModelFile,
+    feed: Feed,
     plan: Plan,
     opts: RunOptions,
-    first: Batch,
     start: int,
     lead: bool,
 ) -> None:
@@ -164,7 +169,7 @@ def _loop(
     every = opts.checkpoint_every
     for step in range(start, opts.steps):
         Where.where = f"at step {step + 1}"
-        batch = first if step == 0 else _batch(mf, plan, step, opts.seed)
+        batch = feed.batch(step)
         seed_step(pm, step, opts.seed)
         loss = pm.step(_inputs(batch), batch.targets)
         secs = pm.last_step_s or float("nan")
@@ -217,18 +222,11 @@ def _say(lead: bool, text: str) -> None:
         print(text, flush=True)
 
 
-def _batch(mf: ModelFile, plan: Plan, step: int, seed: int) -> Batch:
-    """Step ``step``'s global batch: ``sample_batch`` with torch's RNG at ``seed + step``."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + step)
-        return mf.sample(plan.global_batch)
-
-
 def _inputs(batch: Batch) -> Any:
     if batch.args and batch.kwargs:
         raise ValueError(
-            "sample_batch returned inputs with both positional and keyword arguments; "
-            "the runtime passes one kind: return a tuple or a dict"
+            "the batch's inputs hold both positional and keyword arguments; the runtime "
+            "passes one kind: make sample_batch (or collate) return a tuple or a dict"
         )
     return dict(batch.kwargs) if batch.kwargs else batch.args
 
