@@ -1,4 +1,4 @@
-"""The ``planner`` command line: ``planner profile|plan|show|run``.
+"""The ``planner`` command line: ``planner profile|plan|show|run|init-weights``.
 
 The flags of every knob are generated from the option dataclasses
 (:mod:`planner.options`, :mod:`runtime.options`): the CLI parses into the same
@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     from runtime.launch import add_run_parser
 
     add_run_parser(sub)
+    _add_init_weights_parser(sub)
     return parser
 
 
@@ -158,6 +159,33 @@ def _add_show_parser(sub: Any) -> None:
     p.add_argument("--report", default=None, help="also write an HTML report here")
     p.add_argument("--trace", default=None, help="also write a Chrome/Perfetto trace here")
     p.set_defaults(func=_cmd_show)
+
+
+def _add_init_weights_parser(sub: Any) -> None:
+    from runtime.options import RunOptions
+
+    p = sub.add_parser(
+        "init-weights",
+        help="write a model's initial weights (as a run with --seed starts) for --init-from",
+        description=(
+            "Build MODEL_FILE once, with torch's seed set as `planner run --seed` sets it, and "
+            "write every parameter and buffer to a safetensors file. `planner run ... "
+            "--init-from FILE` then builds only each rank's stage and trains the same losses. "
+            "Loading the model file runs its code."
+        ),
+    )
+    p.add_argument("model_file", help=_MODEL_FILE)
+    p.add_argument("--out", required=True, help="the safetensors file to write")
+    add_options(p, RunOptions, only=("seed",))
+    p.set_defaults(func=_cmd_init_weights)
+
+
+def _cmd_init_weights(ns: argparse.Namespace) -> int:
+    from runtime.materialize import save_initial_weights
+
+    path = save_initial_weights(ns.model_file, ns.out, seed=ns.seed)
+    print(f"initial weights (seed {ns.seed}) written to {path}")
+    return 0
 
 
 def _cmd_plan(ns: argparse.Namespace) -> int:

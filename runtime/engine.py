@@ -38,6 +38,7 @@ from planner.plan.batch import batch_size_of, normalize_inputs, slice_batch
 from planner.plan.schedule import schedule_problem
 from planner.plan.schema import Plan
 from runtime.checks import check_plan
+from runtime.materialize import StageWeights
 from runtime.mesh import Mesh, init_mesh
 from runtime.options import DEFAULT_TIMEOUT_S
 from runtime.stage import StageModule, build_stage
@@ -106,6 +107,7 @@ class ParallelModel:
         backend: str | None = None,
         split: str = "auto",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        init_from: str | None = None,
     ) -> ParallelModel:
         """Check the plan against the model, join the mesh, build this rank's stage.
 
@@ -132,6 +134,8 @@ class ParallelModel:
             backend: "nccl" or "gloo" (default: nccl with CUDA, else gloo).
             split: "auto", "pipeline" or "fx" (see ``runtime.split``).
             timeout_s: how long a collective waits on a peer before failing.
+            init_from: fill this rank's stage by name from this safetensors file or DCP
+                folder; then ``model`` may have meta parameters (``runtime.materialize``).
 
         Raises:
             PlanMismatch: the plan was made for another model, or the world size
@@ -141,17 +145,21 @@ class ParallelModel:
         """
         _check_schedule(plan)
         example = _micro_batch(sample, plan.micro_batch_size)
+        weights = StageWeights(init_from, model) if init_from is not None else None
+        fill = weights.materialize if weights else None  # gives the stage its storage
+        example = weights.example(example) if weights else example  # meta for a meta model
         check_plan(plan, model, backend=backend)
         sets = tied_sets(plan, model)
         canonical = _canonical_names(model)
         mesh = init_mesh(plan, backend=backend, timeout_s=timeout_s)
-        stage = build_stage(model, plan, mesh, example, split=split)
+        stage = build_stage(model, plan, mesh, example, split=split, materialize=fill)
         held = {canonical[n] for names in stage.held for n in names if n in canonical}
         unplaced = {
-            k: v.detach().cpu().clone()
+            k: v.detach() if weights else v.detach().cpu().clone()
             for k, v in model.state_dict().items()
             if mesh.rank == 0 and canonical[k] == k and k not in held
         }
+        unplaced = weights.values(unplaced) if weights else unplaced  # from the file
         tied = build_tied(sets, stage, mesh)
         schedule = SCHEDULES[plan.schedule](
             stage.pipeline_stage,

@@ -5,9 +5,12 @@ then ``pipe.build_stage``), or ``fx`` (a ``symbolic_trace`` graph and a manual
 ``PipelineStage`` with the example shapes measured there).
 
 Every rank splits the whole model (deterministically), so every rank knows
-which stage holds which parameter: tied-weight groups need that. Each rank then
-keeps only its own stage; names a stage module carries but never uses (e.g. the
-untouched original of a tied weight that ``pipeline`` copies) are removed.
+which stage holds which parameter: tied-weight groups need that. The split
+needs names and shapes only: a model built with its parameters on the meta
+device is split the same way, and only this rank's stage is then given storage
+(``--init-from``, :mod:`runtime.materialize`). Each rank keeps only its own
+stage; names a stage module carries but never uses (e.g. the untouched original
+of a tied weight that ``pipeline`` copies) are removed.
 """
 
 from __future__ import annotations
@@ -76,7 +79,13 @@ class StageModule:
 
 
 def build_stage(
-    model: nn.Module, plan: Plan, mesh: Mesh, example: Example, *, split: str = "auto"
+    model: nn.Module,
+    plan: Plan,
+    mesh: Mesh,
+    example: Example,
+    *,
+    split: str = "auto",
+    materialize: Callable[[nn.Module, torch.device], None] | None = None,
 ) -> StageModule:
     """Split ``model`` as ``plan`` says and build this rank's stage (DDP-wrapped if dp > 1).
 
@@ -91,6 +100,10 @@ def build_stage(
         example: ONE micro-batch's ``(args, kwargs)``, of the plan's micro-batch
             size: ``pipeline`` traces static shapes.
         split: one of :data:`SPLIT_METHODS`.
+        materialize: ``materialize(stage_module, device)`` gives this rank's
+            stage module its storage and values, after the split and before
+            torch's stage is built: for a model whose parameters are on the
+            meta device (``runtime.materialize.StageWeights.materialize``).
 
     Raises:
         StageError: the split does not give ``plan.pp`` stages, or both ways to
@@ -104,6 +117,8 @@ def build_stage(
     s = mesh.stage
     module = parts.modules[s]
     prune_unused(module, used[s])
+    if materialize is not None:  # [Note: building a stage without the whole model]
+        materialize(module, mesh.device)
     if parts.pipe is not None:
         stage = parts.pipe.build_stage(s, mesh.device, group=mesh.pp_group)
     else:

@@ -10,7 +10,9 @@ Started by ``torchrun`` or by ``planner run`` (``runtime.launch``), every worker
 
 1. loads the plan and the model file (loading runs the file's code: trusted
    input), and builds the model after ``torch.manual_seed(--seed)``: the same
-   seed on every rank, so every rank builds the same initial weights;
+   seed on every rank, so every rank builds the same initial weights (with
+   ``--init-from PATH``: its parameters on the meta device, and only this
+   rank's stage is then filled from PATH, :mod:`runtime.materialize`);
 2. joins the process group and builds its stage (``ParallelModel.from_plan``),
    with a collective timeout of ``--timeout`` seconds;
 3. resumes from the newest complete checkpoint in ``--checkpoint-dir``, if any
@@ -40,6 +42,7 @@ their next receive from it, and torchrun names it and its signal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -62,6 +65,7 @@ from runtime.data import Feed, replica_of
 from runtime.engine import ParallelModel
 from runtime.failure import Where, fail, finish
 from runtime.launch import cpu_threads
+from runtime.materialize import meta_parameters
 from runtime.measure import Recorder, comparison_table, resident_bytes, write_trace
 from runtime.options import DEFAULT_TIMEOUT_S, LEARNING_RATES, RunOptions, add_run_options
 
@@ -137,7 +141,8 @@ def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, 
     if threads and not torch.cuda.is_available():
         torch.set_num_threads(threads)  # as the plan measured this device
     torch.manual_seed(opts.seed)  # the same initial weights on every rank
-    model = mf.build()
+    with meta_parameters() if opts.init_from else contextlib.nullcontext():
+        model = mf.build()  # --init-from: no storage here; the stage's comes from the file
     replica = replica_of(plan, int(os.environ.get("RANK", "0")))
     feed = Feed.of(mf, plan, replica=replica, seed=opts.seed)
     first = feed.batch(0)  # this replica's: traces the stage, then trains step 1
@@ -150,6 +155,7 @@ def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, 
         sample=(first.args, first.kwargs),
         split=opts.split,
         timeout_s=opts.timeout or DEFAULT_TIMEOUT_S,
+        init_from=opts.init_from,
     )
     assert pm.mesh.replica == replica, (pm.mesh.replica, replica)
     _say(pm.mesh.rank == 0, feed.describe())

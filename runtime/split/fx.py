@@ -74,7 +74,20 @@ def split_model(
     mods = [
         _stage_graph(traced, nodes, stage_of, live_in, output, s, n_stages) for s in range(n_stages)
     ]
-    return mods, _example_shapes(model, mods, live_in, example)
+    try:
+        shapes = _example_shapes(model, mods, live_in, example)
+    except Exception as exc:
+        if not any(p.is_meta for p in model.parameters()):
+            raise
+        raise StageError(
+            "the fx split runs the stages once on the example micro-batch to learn what "
+            "crosses each split point, and on this model built on the meta device (--init-from) "
+            f"that failed: {type(exc).__name__}: {cause_line(exc)}\n  why: the forward reads "
+            "a tensor's values (e.g. bool(x.all()), x.item()), which meta tensors do not have.\n"
+            "  fix: run without --init-from (a full build), or remove the data-dependent "
+            "Python from forward()"
+        ) from exc
+    return mods, shapes
 
 
 def _module_path(node: torch.fx.Node) -> str:
