@@ -134,8 +134,7 @@ class ParallelModel:
             backend: "nccl" or "gloo" (default: nccl with CUDA, else gloo).
             split: "auto", "pipeline" or "fx" (see ``runtime.split``).
             timeout_s: how long a collective waits on a peer before failing.
-            init_from: fill this rank's stage by name from this safetensors file or DCP
-                folder; then ``model`` may have meta parameters (``runtime.materialize``).
+            init_from: fill the stage by name from this file or folder (runtime.materialize).
 
         Raises:
             PlanMismatch: the plan was made for another model, or the world size
@@ -145,14 +144,12 @@ class ParallelModel:
         """
         _check_schedule(plan)
         example = _micro_batch(sample, plan.micro_batch_size)
-        weights = StageWeights(init_from, model) if init_from is not None else None
-        fill = weights.materialize if weights else None  # gives the stage its storage
-        example = weights.example(example) if weights else example  # meta for a meta model
+        weights, example = _stage_weights(init_from, model, example)
         check_plan(plan, model, backend=backend)
         sets = tied_sets(plan, model)
         canonical = _canonical_names(model)
         mesh = init_mesh(plan, backend=backend, timeout_s=timeout_s)
-        stage = build_stage(model, plan, mesh, example, split=split, materialize=fill)
+        stage = build_stage(model, plan, mesh, example, split=split, materialize=weights)
         held = {canonical[n] for names in stage.held for n in names if n in canonical}
         unplaced = {
             k: v.detach() if weights else v.detach().cpu().clone()
@@ -358,6 +355,16 @@ def _check_schedule(plan: Plan) -> None:
     if problem is not None:
         why, fix = problem
         raise ValueError(f"the plan cannot run: {why}; fix: {fix} (re-plan, or edit the plan)")
+
+
+def _stage_weights(
+    init_from: str | None, model: nn.Module, example: Any
+) -> tuple[StageWeights | None, Any]:
+    """``--init-from``'s weights (they fill the stage), and the example the split traces."""
+    if init_from is None:
+        return None, example
+    weights = StageWeights(init_from, model)
+    return weights, weights.example(example)  # meta tensors for a meta model
 
 
 def _micro_batch(

@@ -131,7 +131,7 @@ class StageWeights:
         with meta_parameters():
             model = build_model()
         weights = StageWeights("init.safetensors", model)  # buffers moved to meta, kept here
-        stage = build_stage(model, plan, mesh, weights.example(ex), materialize=weights.materialize)
+        stage = build_stage(model, plan, mesh, weights.example(ex), materialize=weights)
 
     Args:
         path: a ``.safetensors`` file or a DCP folder (see the module's note).
@@ -154,8 +154,10 @@ class StageWeights:
             return example
         return pytree.tree_map_only(Tensor, lambda t: t.to("meta"), example)
 
-    def materialize(self, module: nn.Module, device: torch.device) -> None:
+    def __call__(self, module: nn.Module, device: torch.device) -> None:
         """Give ``module``'s tensors storage on ``device`` and fill them by name (ties kept).
+
+        ``build_stage(..., materialize=weights)`` calls it on this rank's stage module.
 
         Raises:
             ValueError: a tensor of the stage is in neither the file nor the

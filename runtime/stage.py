@@ -100,10 +100,8 @@ def build_stage(
         example: ONE micro-batch's ``(args, kwargs)``, of the plan's micro-batch
             size: ``pipeline`` traces static shapes.
         split: one of :data:`SPLIT_METHODS`.
-        materialize: ``materialize(stage_module, device)`` gives this rank's
-            stage module its storage and values, after the split and before
-            torch's stage is built: for a model whose parameters are on the
-            meta device (``runtime.materialize.StageWeights.materialize``).
+        materialize: ``materialize(stage_module, device)`` gives a meta-built stage
+            storage and values (``runtime.materialize.StageWeights``).
 
     Raises:
         StageError: the split does not give ``plan.pp`` stages, or both ways to

@@ -72,7 +72,7 @@ def _stages(name: str, split: str, points: list[str], init: Path | None) -> list
     for mod in mods:
         prune_unused(mod, used_tensors(mod))
         if weights is not None:
-            weights.materialize(mod, torch.device("cpu"))
+            weights(mod, torch.device("cpu"))
         out.append(_tensors(mod))
     return out
 
@@ -125,7 +125,7 @@ def test_a_pretrained_style_file_without_non_persistent_buffers_or_tied_copies(
     with meta_parameters():
         model = Rotary()
     weights = StageWeights(tmp_path / "model.safetensors", model)
-    weights.materialize(model, torch.device("cpu"))
+    weights(model, torch.device("cpu"))
     assert model.head.weight is model.emb.weight  # one tensor still
     got, want = _tensors(model), _tensors(full)
     assert sorted(got) == sorted(want)
@@ -142,7 +142,7 @@ def test_a_dcp_folder_fills_the_stage_by_name(tmp_path: Path) -> None:
     dcp.save(_tensors(full), checkpoint_id=tmp_path, no_dist=True)
     with meta_parameters():
         model = Rotary()
-    StageWeights(tmp_path, model).materialize(model, torch.device("cpu"))
+    StageWeights(tmp_path, model)(model, torch.device("cpu"))
     got, want = _tensors(model), _tensors(full)
     assert all(torch.equal(got[k], want[k]) for k in want)
 
@@ -183,7 +183,7 @@ def test_a_tensor_the_file_lacks_is_named(tmp_path: Path) -> None:
         model = Rotary()
     weights = StageWeights(tmp_path / "part.safetensors", model)
     with pytest.raises(ValueError, match=r"2 tensor\(s\) of this stage are not in .*norm\.weight"):
-        weights.materialize(model, torch.device("cpu"))
+        weights(model, torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------- planner run
