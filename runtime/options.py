@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import os
 from dataclasses import dataclass
 
 from planner.plan.fields import add_options, option, option_error
@@ -93,13 +92,6 @@ class RunOptions:
         "folder; without it every rank builds the whole model",
         metavar="PATH",
     )
-    init_from: str | None = option(
-        None,
-        help="build only this rank's stage and fill it by name from PATH: a safetensors file "
-        "(`planner init-weights`, or a pretrained model.safetensors) or a DCP checkpoint "
-        "folder; without it every rank builds the whole model",
-        metavar="PATH",
-    )
 
     def __post_init__(self) -> None:
         for name in ("steps", "checkpoint_every", "warmup_steps"):
@@ -116,13 +108,6 @@ class RunOptions:
                 RunOptions,
                 "optimizer",
                 f"is {self.optimizer!r}; choose one of {', '.join(LEARNING_RATES)}",
-            )
-        if self.init_from is not None and not os.path.exists(self.init_from):
-            raise option_error(
-                RunOptions,
-                "init_from",
-                f"is {self.init_from!r}, which does not exist; write it with `planner "
-                "init-weights MODEL --out FILE`",
             )
         if self.init_from is not None and not os.path.exists(self.init_from):
             raise option_error(

@@ -66,7 +66,6 @@ from runtime.engine import ParallelModel
 from runtime.failure import Where, fail, finish
 from runtime.launch import cpu_threads
 from runtime.materialize import meta_parameters
-from runtime.materialize import meta_parameters
 from runtime.measure import Recorder, comparison_table, resident_bytes, write_trace
 from runtime.options import DEFAULT_TIMEOUT_S, LEARNING_RATES, RunOptions, add_run_options
 
@@ -156,7 +155,6 @@ def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, 
         sample=(first.args, first.kwargs),
         split=opts.split,
         timeout_s=opts.timeout or DEFAULT_TIMEOUT_S,
-        init_from=opts.init_from,
         init_from=opts.init_from,
     )
     assert pm.mesh.replica == replica, (pm.mesh.replica, replica)
