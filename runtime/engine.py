@@ -38,7 +38,7 @@ from planner.plan.batch import batch_size_of, normalize_inputs, slice_batch
 from planner.plan.schedule import schedule_problem
 from planner.plan.schema import Plan
 from runtime.checks import check_plan
-from runtime.materialize import StageWeights
+from runtime.materialize import stage_weights
 from runtime.mesh import Mesh, init_mesh
 from runtime.options import DEFAULT_TIMEOUT_S
 from runtime.stage import StageModule, build_stage
@@ -144,7 +144,7 @@ class ParallelModel:
         """
         _check_schedule(plan)
         example = _micro_batch(sample, plan.micro_batch_size)
-        weights, example = _stage_weights(init_from, model, example)
+        weights, example = stage_weights(init_from, model, example)
         check_plan(plan, model, backend=backend)
         sets = tied_sets(plan, model)
         canonical = _canonical_names(model)
@@ -355,16 +355,6 @@ def _check_schedule(plan: Plan) -> None:
     if problem is not None:
         why, fix = problem
         raise ValueError(f"the plan cannot run: {why}; fix: {fix} (re-plan, or edit the plan)")
-
-
-def _stage_weights(
-    init_from: str | None, model: nn.Module, example: Any
-) -> tuple[StageWeights | None, Any]:
-    """``--init-from``'s weights (they fill the stage), and the example the split traces."""
-    if init_from is None:
-        return None, example
-    weights = StageWeights(init_from, model)
-    return weights, weights.example(example)  # meta tensors for a meta model
 
 
 def _micro_batch(

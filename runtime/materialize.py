@@ -41,7 +41,13 @@ from torch.utils import _pytree as pytree
 
 from runtime.weights import open_weights
 
-__all__ = ["StageWeights", "meta_parameters", "save_initial_weights", "write_weights"]
+__all__ = [
+    "StageWeights",
+    "meta_parameters",
+    "save_initial_weights",
+    "stage_weights",
+    "write_weights",
+]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +127,22 @@ def save_initial_weights(
     mf = load_model_file(model_file)
     torch.manual_seed(seed)
     return write_weights(mf.build(), path)
+
+
+def stage_weights(
+    init_from: str | os.PathLike[str] | None, model: nn.Module, example: Any
+) -> tuple[StageWeights | None, Any]:
+    """``--init-from``'s :class:`StageWeights`, and the example as the split must trace it.
+
+    Example::
+
+        weights, example = stage_weights(opts.init_from, model, example)  # (None, example)
+        stage = build_stage(model, plan, mesh, example, materialize=weights)  # without it
+    """
+    if init_from is None:
+        return None, example
+    weights = StageWeights(init_from, model)
+    return weights, weights.example(example)
 
 
 class StageWeights:
