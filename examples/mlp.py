@@ -11,7 +11,8 @@ environment, so ``MLP_SCALE=4 planner plan examples/mlp.py`` grows the model):
 ``MLP_IN`` / ``in_features`` (default 512)
     Input features; ``sample_batch`` reads the same variable.
 
-Batches: ``x`` of shape (B, MLP_IN), float; targets (B,) class ids (int64).
+Batches: ``x`` of shape (B, MLP_IN), float; targets (B,) class ids (int64), the argmax of
+a fixed random linear map of ``x`` (a task the MLP can learn).
 No ``loss_fn``: the planner's default (cross-entropy for integer targets) applies.
 """
 
@@ -56,8 +57,13 @@ def build_model(*, scale: int | None = None, in_features: int | None = None) -> 
 
 
 def sample_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random features and class ids: new each step (torch's seed), the global RNG untouched."""
-    gen = torch.Generator().manual_seed(torch.initial_seed())  # planner run: seed + step
-    x = torch.randn(batch_size, _env_int("MLP_IN", 512), generator=gen)
-    y = torch.randint(0, N_CLASSES, (batch_size,), generator=gen)
-    return x, y
+    """Random features, labelled by a fixed random linear teacher: new data each step, learnable.
+
+    The features come from a generator seeded with torch's seed (``planner run``
+    sets it to seed + step), so the global RNG is untouched; the teacher is the
+    same in every call, so a run learns it and its loss falls.
+    """
+    n_in = _env_int("MLP_IN", 512)
+    x = torch.randn(batch_size, n_in, generator=torch.Generator().manual_seed(torch.initial_seed()))
+    teacher = torch.randn(n_in, N_CLASSES, generator=torch.Generator().manual_seed(0))
+    return x, (x @ teacher).argmax(dim=1)
