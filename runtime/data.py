@@ -47,6 +47,10 @@ def _epoch_order(n_samples: int, epoch: int, seed: int) -> tuple[int, ...]:
 class Sharding:
     """Which samples of a dataset replica ``replica`` reads at each step ([Note: the data order]).
 
+    ``planner run`` uses it for a model file's ``dataset()``; a training loop of
+    ``auto_parallel``'s can feed ``ParallelModel.step`` the same shards:
+    ``collate([ds[i] for i in sharding.indices(step)])``.
+
     Example::
 
         >>> s = Sharding(n_samples=10, global_batch=4, dp=2, replica=1, seed=0)
@@ -131,7 +135,7 @@ class Feed:
     seed: int
     dataset: Any = None
     sharding: Sharding | None = None
-    _last: tuple[int, Batch] | None = field(default=None, repr=False)
+    _last: tuple[int, Batch] | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def of(cls, mf: ModelFile, plan: Plan, *, replica: int, seed: int) -> Feed:
