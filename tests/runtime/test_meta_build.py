@@ -134,17 +134,34 @@ def test_a_pretrained_style_file_without_non_persistent_buffers_or_tied_copies(
     torch.testing.assert_close(model(idx), full(idx), rtol=0, atol=0)
 
 
-def test_a_dcp_folder_fills_the_stage_by_name(tmp_path: Path) -> None:
+@pytest.mark.parametrize("runtime_checkpoint", [False, True], ids=["plain", "step-folder"])
+def test_a_dcp_folder_fills_the_stage_by_name(tmp_path: Path, runtime_checkpoint: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(4)
     full = Rotary()
-    dcp.save(_tensors(full), checkpoint_id=tmp_path, no_dist=True)
+    state: dict[str, Any] = _tensors(full)
+    if runtime_checkpoint:  # as runtime.checkpoint saves: model/<name>, a COMPLETE marker
+        state = {"model": state, "step": torch.tensor(7)}
+        (tmp_path / "COMPLETE").write_text("{}")
+    dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
     with meta_parameters():
         model = Rotary()
     StageWeights(tmp_path, model)(model, torch.device("cpu"))
     got, want = _tensors(model), _tensors(full)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_tensors_no_stage_holds_are_read_for_rank_0(tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    full = Rotary()
+    init = write_weights(full, tmp_path / "init.safetensors")
+    with meta_parameters():
+        model = Rotary()
+    templates = {"head.weight": model.head.weight, "norm.bias": model.norm.bias}
+    got = StageWeights(init, model).values({**templates, "gone": torch.empty(2, device="meta")})
+    assert sorted(got) == ["head.weight", "norm.bias"]  # "gone" is in no source: left out
+    assert torch.equal(got["head.weight"], full.emb.weight) and not got["norm.bias"].is_meta
 
 
 def test_the_reader_agrees_with_safetensors_for_every_dtype(tmp_path: Path) -> None:
