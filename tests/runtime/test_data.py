@@ -141,6 +141,17 @@ def test_a_feed_reads_only_its_replicas_shard_and_keeps_the_last_batch(tmp_path:
     assert torch.equal(again.batch(0).args[0], feed.batch(0).args[0])  # the noise too
 
 
+def test_every_stage_of_a_replica_reads_the_same_samples(tmp_path: Path) -> None:
+    (tmp_path / "model.py").write_text(DATA_FILE)
+    mf = load_model_file(tmp_path / "model.py")
+    plan = _plan(8, dp=2, pp=2)  # ranks [[0, 2], [1, 3]]: rank = stage · dp + replica
+    feeds = [Feed.of(mf, plan, replica=replica_of(plan, rank), seed=3) for rank in range(4)]
+    for step in (0, 1, 4):
+        batches = [f.batch(step).args[0] for f in feeds]
+        assert torch.equal(batches[0], batches[2]) and torch.equal(batches[1], batches[3])
+        assert not torch.equal(batches[0], batches[1])
+
+
 def test_a_feed_without_a_dataset_calls_sample_batch_seeded_per_step() -> None:
     mf = load_model_file(EXAMPLES / "mlp.py")
     feed = Feed.of(mf, _plan(4, dp=2), replica=1, seed=0)
