@@ -1,73 +1,126 @@
-"""Peak memory of a rank's stage: CUDA's allocator statistics, or on the CPU the stage's
-tensors plus the growth of the process's peak resident set (see ``recorder``'s docstring)."""
+"""Peak memory of a rank over the counted steps: CUDA's allocator statistics, or on the CPU
+the peak of live tensor bytes, by tracked allocations ([Note: tracking live tensor bytes]
+in ``runtime.measure.live``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import resource
-import sys
-from typing import TYPE_CHECKING
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_leaves
 
-if TYPE_CHECKING:
-    from runtime.engine import ParallelModel
+from runtime.measure.live import LiveTensors, live_tensors
 
-__all__ = ["MemoryProbe", "resident_bytes", "stage_state_bytes"]
+__all__ = ["CPU_METHOD", "CUDA_METHOD", "MemoryProbe", "ddp_bucket_bytes", "resident_bytes"]
 
-
-def stage_state_bytes(pmodel: ParallelModel) -> int:
-    """Bytes of the stage's parameters, buffers, gradients and optimizer state, each once."""
-    module = pmodel.stage.module
-    tensors: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
-    tensors += [p.grad for p in module.parameters() if p.grad is not None]
-    if pmodel.optimizer is not None:
-        for state in pmodel.optimizer.state.values():
-            tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
+CUDA_METHOD = "cuda max allocated"
+CPU_METHOD = "cpu: peak live tensor bytes (tracked allocations)"
 
 
 class MemoryProbe:
-    """Peak memory of this rank's stage over the counted steps (module docstring)."""
+    """Peak memory of this rank over the counted steps.
+
+    Example (what ``Recorder`` does)::
+
+        probe = MemoryProbe(device)
+        probe.start()                          # before the first step
+        with probe.step(args):                 # every step (CPU: tracked)
+            pmodel.step(*args)
+        probe.count_from_here(pmodel.stage.wrapped)   # before the first counted step
+        ...
+        peak, how = probe.peak()
+
+    On CUDA, ``torch.cuda.max_memory_allocated`` since :meth:`start` (one reset:
+    it counts everything the allocator holds for tensors). On the CPU, a
+    :class:`~runtime.measure.live.LiveTensors` over every step: what the steps
+    allocate, what existed before them (every tensor the garbage collector
+    sees at :meth:`count_from_here`) and DDP's gradient buckets (C++ only:
+    their bytes from DDP, :func:`ddp_bucket_bytes`).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.state = 0
-        self.base = 0
-        self.reset = False
+        self.cuda = device.type == "cuda"
+        self.live = None if self.cuda else LiveTensors(device)
+        self._ddp: DistributedDataParallel | None = None
 
-    def start(self, state_bytes: int, *, cuda: bool = True) -> None:
-        """(Re)start: from here, the peak is ``state_bytes`` + the resident set's growth."""
-        if self.device.type == "cuda":
-            if cuda:  # max_memory_allocated counts everything: one reset, at the start
-                torch.cuda.reset_peak_memory_stats(self.device)
+    def start(self) -> None:
+        """Before the first recorded step: CUDA's peak statistics start here."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    @contextlib.contextmanager
+    def step(self, args: Any = ()) -> Iterator[None]:
+        """Around one step: on the CPU its allocations are tracked (its ``args`` count too)."""
+        if self.live is None:
+            yield
             return
-        self.state = state_bytes
-        try:  # "5" resets the peak resident set size (VmHWM and ru_maxrss), Linux ≥ 4.0
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.reset = True
-        except OSError:
-            self.reset = False
-        self.base = _rss_now() if self.reset else _rss_peak()
+        self.live.add_all(tree_leaves(args))
+        with self.live:
+            yield
+
+    def count_from_here(self, wrapped: nn.Module | None = None) -> None:
+        """The peak restarts now, from what is alive (CPU; CUDA's counts from :meth:`start`).
+
+        ``wrapped``: the stage's module as it runs; a ``DistributedDataParallel``'s
+        buckets count.
+        """
+        if self.live is None:
+            return
+        self.live.add_all(live_tensors(self.device))
+        if isinstance(wrapped, DistributedDataParallel):
+            self._ddp = wrapped
+            self.live.hold("DDP buckets", ddp_bucket_bytes(wrapped))
+        self.live.reset_peak()
+
+    def untracked_ddp(self, pre_forward: Callable[..., Any]) -> Callable[..., Any]:
+        """DDP's ``_pre_forward``, run untracked: its one rebuild of the buckets swaps
+        C++-only tensors for others, which :meth:`count_from_here` counts from DDP's sizes."""
+        live = self.live
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if live is None:
+                return pre_forward(*args, **kwargs)
+            paused, live.paused = live.paused, True
+            try:
+                return pre_forward(*args, **kwargs)
+            finally:
+                live.paused = paused
+                if self._ddp is not None:
+                    live.hold("DDP buckets", ddp_bucket_bytes(self._ddp))
+
+        return run
 
     def peak(self) -> tuple[float, str]:
-        if self.device.type == "cuda":
-            return float(torch.cuda.max_memory_allocated(self.device)), "cuda max allocated"
-        grown = max(0, _rss_peak() - self.base)
-        how = "cpu: stage tensors + peak RSS growth"
-        return float(self.state + grown), how + ("" if self.reset else " (lower bound)")
+        """(peak bytes, how they were measured)."""
+        if self.live is None:
+            return float(torch.cuda.max_memory_allocated(self.device)), CUDA_METHOD
+        return float(self.live.peak), CPU_METHOD
 
 
-def _rss_peak() -> int:
-    kib_or_b = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(kib_or_b if sys.platform == "darwin" else kib_or_b * 1024)
+def ddp_bucket_bytes(ddp: DistributedDataParallel) -> int:
+    """Bytes of DDP's gradient buckets (the reducer's flat tensors, C++ only).
+
+    DDP's own figures (its logging data: the buckets as rebuilt after the first
+    iteration, else as first built); without them, every trainable
+    parameter's bytes once, which is what its buckets hold. With
+    ``gradient_as_bucket_view=True`` the gradients are views into these
+    buckets and would count twice; the runtime's DDP does not set it.
+    """
+    try:
+        data = ddp._get_ddp_logging_data()
+        sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes")
+    except (AttributeError, RuntimeError):  # a private API: torch may move it
+        sizes = None
+    if sizes:
+        return sum(int(x) for x in re.findall(r"\d+", str(sizes)))
+    return sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
 
 
 def resident_bytes() -> int:
@@ -77,8 +130,3 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return -1
-
-
-def _rss_now() -> int:
-    now = resident_bytes()
-    return now if now >= 0 else _rss_peak()

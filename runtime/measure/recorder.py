@@ -25,13 +25,13 @@ only (instance attributes, restored by :meth:`Recorder.close`):
 
 On CUDA each timed interval is bracketed by ``torch.cuda.synchronize`` (the
 kernels are asynchronous), which costs some overlap: measure, then train
-without the recorder. Peak memory: ``torch.cuda.max_memory_allocated`` on
-CUDA; on the CPU (no allocator statistics) the bytes of the stage's
-tensors that outlive a step (parameters, buffers, gradients, optimizer state;
-counted after the warm-up) plus the growth of the process's peak resident
-set (``ru_maxrss``, its peak reset through ``/proc/self/clear_refs`` where
-Linux allows) over the counted steps: activations, temporaries, allocator
-slack. An approximation, to compare with the plan's prediction.
+without the recorder. Peak memory over the counted steps:
+``torch.cuda.max_memory_allocated`` on CUDA; on the CPU (no allocator
+statistics) the peak of live tensor bytes, counted storage by storage as the
+steps allocate and free them (``runtime.measure.live``): parameters,
+gradients, optimizer state, buffers, activations, the pipeline's receive
+buffers, DDP's buckets. Its cost, one Python call per operator, is inside the
+CPU's measured times (see [Note: tracking live tensor bytes]).
 
 The first ``warmup_steps`` recorded steps (allocations, first-call costs) are
 left out of the figures. Ranks' clocks are aligned by a barrier when the
@@ -49,8 +49,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from runtime.measure.memory import MemoryProbe, stage_state_bytes
+from runtime.measure.memory import MemoryProbe
 
 if TYPE_CHECKING:
     from runtime.engine import ParallelModel
@@ -203,7 +204,7 @@ class Recorder:
         elif dist.is_initialized():
             dist.barrier()
         self._t0 = time.perf_counter()
-        self._mem.start(stage_state_bytes(pmodel))
+        self._mem.start()
 
     # -------------------------------------------------------------- wrapping
 
@@ -274,16 +275,20 @@ class Recorder:
                 pm.optimizer.register_step_post_hook(post),
             ]
             self._undo.extend(h.remove for h in handles)
+        ddp = pm.stage.wrapped
+        if isinstance(ddp, DistributedDataParallel) and self.device.type != "cuda":
+            self._patch(ddp, "_pre_forward", self._mem.untracked_ddp(ddp._pre_forward))
         step = pm.step
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:
             self._step += 1
             self._steps.append(self._step)
-            if self.warmup_steps and self._step == self._first + self.warmup_steps:
-                self._mem.start(stage_state_bytes(pm), cuda=False)  # grads, optimizer state exist
+            if self._step == self._first + self.warmup_steps:
+                self._mem.count_from_here(pm.stage.wrapped)  # grads, optimizer state exist
             self._losses = 0
             self._forget()
-            return self._timed("step", step, _whole)(*args, **kwargs)
+            with self._mem.step((args, kwargs)):
+                return self._timed("step", step, _whole)(*args, **kwargs)
 
         self._patch(pm, "step", timed_step)
 
