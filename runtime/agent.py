@@ -1,7 +1,7 @@
 """``python -m runtime.agent [torchrun options] -m runtime ...``: torchrun, for ``planner run``.
 
 It takes torchrun's own arguments (``python -m torch.distributed.run --help``)
-and runs torchrun's elastic agent in this process, with two additions:
+and runs torchrun's elastic agent in this process, with these additions:
 
 * the rendezvous backend ``planner-c10d``: torchrun's c10d, whose store
   listens on the loopback address only when the endpoint is one
@@ -12,7 +12,12 @@ and runs torchrun's elastic agent in this process, with two additions:
   the agent's own Python traceback, followed by one line saying which rank
   failed first and how — its exit status, or the signal that killed it (a rank
   killed by a signal leaves no error of its own: this line is the only
-  place that names it). Exit status 1.
+  place that names it). Exit status 1;
+* it dies with its parent (``planner run``), and its workers with it
+  ([Note: a job dies with its launcher] in ``runtime.failure``);
+* stopped by a signal (SIGTERM, SIGINT: ``planner run`` forwards its own),
+  torchrun stops the workers and the agent exits 128 + the signal's number
+  quietly: no traceback and no log lines, the launcher says what happened.
 
 Restarts (``--max-restarts``) and the stopping of the other workers when one
 fails are torchrun's: its agent checks the workers every ``--monitor-interval``
@@ -22,9 +27,12 @@ then SIGKILL after 30 s) and restarts them all or gives up.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 __all__ = ["main", "root_first", "verdict"]
@@ -32,21 +40,39 @@ __all__ = ["main", "root_first", "verdict"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run torchrun's agent with ``argv`` (its command line); 0 when every worker succeeded."""
+    import torch.distributed.elastic.multiprocessing.api as elastic_api
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from runtime.failure import PARENT_ENV, die_with_parent
     from runtime.rendezvous import register_backend
 
+    die_with_parent(signal.SIGTERM)  # torchrun's shutdown: the workers are stopped first
+    os.environ[PARENT_ENV] = str(os.getpid())  # the workers die with this process
+    elastic_api._terminate_process_handler = _quiet_stop  # torchrun installs it at each start
     register_backend()
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         run(args)
+    except SignalException as exc:  # stopped on purpose: the launcher says so, in one line
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         root_first(exc)
         print(exc.format_msg(), file=sys.stderr)
         print(verdict(exc), file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _quiet_stop(signum: int, frame: FrameType | None) -> None:
+    """torchrun's termination handler, silenced: raise its ``SignalException`` (its agent
+    then stops the workers) with every log line of the shutdown turned off."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    logging.disable(logging.CRITICAL)
+    sigval = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
 def root_first(exc: Any) -> None:

@@ -19,7 +19,14 @@ from torch import nn
 from planner.plan.fingerprint import describe_mismatch, fingerprint
 from planner.plan.schema import Plan
 
-__all__ = ["PlanMismatch", "check_plan", "check_world", "default_backend", "local_device"]
+__all__ = [
+    "PlanMismatch",
+    "check_device",
+    "check_plan",
+    "check_world",
+    "default_backend",
+    "local_device",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +63,65 @@ def local_device(backend: str | None = None) -> torch.device:
             "CUDA_VISIBLE_DEVICES"
         )
     return torch.device("cuda", local_rank)
+
+
+def check_device(
+    plan: Plan, *, allow_mismatch: bool = False, gpu_name: str | None = None
+) -> str | None:
+    """Compare the plan's device types with this machine's; refuse a GPU plan without a GPU.
+
+    Example::
+
+        note = check_device(plan)          # on rank 0 and in planner run, before launching
+        if note:
+            log.warning("%s", note)
+
+    Args:
+        allow_mismatch: ``--allow-device-mismatch``: run a GPU plan on the CPU anyway.
+        gpu_name: this machine's GPU (``torch.cuda.get_device_name(0)``; "" for none).
+            Default: asked of torch.
+
+    Returns:
+        A warning to print, or None: a CPU plan on a GPU, or a GPU of another type than
+        the plan's (judged by name: ``h100`` in ``NVIDIA H100 80GB HBM3``), or a GPU
+        plan forced onto the CPU. The run goes on, but the plan's predictions are not
+        for this hardware.
+
+    Raises:
+        PlanMismatch: a GPU plan on a machine without a CUDA GPU, not forced.
+    """
+    kinds = sorted({g.type for node in plan.cluster.nodes for g in node.devices})
+    gpus = [k for k in kinds if k != "cpu"]
+    if gpu_name is None:
+        gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    of = f" of {plan.model.file}" if plan.model.file else ""
+    made = f"the plan{of} was made for {' and '.join(kinds)} devices"
+    replan = "re-plan on this machine (`planner plan model.py --out plan.yaml`)"
+    if not gpu_name:
+        if not gpus:
+            return None
+        text = (
+            f"{made}, but this machine has no CUDA GPU (torch.cuda.is_available() is False), "
+            "so it would run on the CPU, far from the plan's predicted times and memory"
+        )
+        if not allow_mismatch:
+            raise PlanMismatch(
+                f"{text}; run it where its GPUs are, {replan}, or pass "
+                "--allow-device-mismatch to run it here anyway"
+            )
+        return f"{text} (--allow-device-mismatch)"
+    if not gpus:
+        return (
+            f"{made}, but runs on this machine's GPU ({gpu_name}): the predicted times and "
+            f"memory are the CPU's; {replan} for the GPU's"
+        )
+    compact = gpu_name.lower().replace(" ", "")
+    if not any(k.lower() in compact for k in gpus):
+        return (
+            f"{made}, but this machine's GPU is {gpu_name}: the predicted times and memory "
+            f"are for {' and '.join(gpus)}; {replan} for this one"
+        )
+    return None
 
 
 def check_world(plan: Plan, world_size: int | None = None) -> int:

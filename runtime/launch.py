@@ -15,6 +15,15 @@ runtime.agent``, torchrun with two additions), and exits with their status:
 * when a worker fails, torchrun stops the others; ``runtime.agent`` prints the
   failure summary and one line naming the rank that failed first and how (its
   exit status, or the signal that killed it).
+* before launching it refuses, in one line each: a busy ``--master-port``, a
+  ``--checkpoint-dir`` another run holds (``runtime.lock``), a plan made for
+  GPUs on a machine without one (``runtime.checks.check_device``);
+* Ctrl-C, SIGTERM or SIGHUP stop the whole job (:func:`_stop`): the agent is
+  sent SIGTERM (torchrun stops its workers), SIGKILL after ``STOP_GRACE_S``
+  (its workers die with it), and one line names the last complete checkpoint
+  and the command that resumes from it. SIGKILL cannot be caught: the agent
+  and the workers then die with this process ([Note: a job dies with its
+  launcher] in ``runtime.failure``).
 
 The options a worker takes are declared once (:mod:`runtime.options`);
 ``planner run`` takes the same and hands them on.
@@ -23,25 +32,48 @@ The options a worker takes are declared once (:mod:`runtime.options`);
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
+import importlib
+import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from planner.plan.fields import add_options, from_namespace, to_argv
 from planner.plan.files import load_plan
 from planner.plan.schema import Plan
+from runtime.checks import check_device
+from runtime.failure import PARENT_ENV
+from runtime.lock import check_free
 from runtime.options import LOCAL_TIMEOUT_S, LaunchOptions, RunOptions, add_run_options
 from runtime.rendezvous import BACKEND, is_loopback
 
-__all__ = ["add_run_parser", "cmd_run", "cpu_threads", "torchrun_command", "worker_argv"]
+__all__ = [
+    "COMMAND_ENV",
+    "STOP_GRACE_S",
+    "add_run_parser",
+    "cmd_run",
+    "cpu_threads",
+    "torchrun_command",
+    "worker_argv",
+]
 
 _RUNTIME_ROOT = Path(__file__).resolve().parents[1]  # the folder holding the runtime package
+STOP_GRACE_S = 5.0
+"""How long a stopped job's agent may take to stop its workers before it is SIGKILLed."""
+COMMAND_ENV = "PLANNER_COMMAND"
+"""The ``planner run`` command line, handed to the workers (the checkpoint lock names it)."""
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 # --------------------------------------------------------------------------- planner run
@@ -76,30 +108,127 @@ def cmd_run(ns: argparse.Namespace) -> int:
     plan = load_plan(run.plan)
     if not Path(run.model_file).is_file():
         raise ValueError(f"model file {run.model_file} not found (relative to {Path.cwd()})")
+    check_device(plan, allow_mismatch=run.allow_device_mismatch)  # rank 0 prints the warnings
+    if run.checkpoint_dir:
+        check_free(run.checkpoint_dir)  # rank 0 takes the lock ([Note: who holds ...])
+    command = _command_line(run, launch)
     if run.timeout is None:
         run = dataclasses.replace(run, timeout=LOCAL_TIMEOUT_S)
+    if launch.master_port:
+        _check_port(launch.master_addr, launch.master_port)
     port = launch.master_port or _free_port(launch.master_addr)
     verbose = bool(getattr(ns, "verbose", False))  # `planner -v run ...`
     cmd = torchrun_command(run, launch, plan.world_size, port, verbose=verbose)
     env = _worker_env(plan, launch.master_addr)
+    env[PARENT_ENV] = str(os.getpid())
+    env[COMMAND_ENV] = command
     print(
         f"planner run: {plan.world_size} workers (pp {plan.pp} × dp {plan.dp}) on "
         f"{launch.master_addr}:{port}",
         file=sys.stderr,
         flush=True,
     )
-    proc = subprocess.Popen(cmd, env=env)
-    try:
-        rc = proc.wait()
-    except KeyboardInterrupt:  # torchrun stops its workers on SIGINT/SIGTERM
-        proc.send_signal(signal.SIGINT)
+    proc: subprocess.Popen[bytes] | None = None
+    with _stop_signals():
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        return 130
+            # a session of its own: a Ctrl-C reaches this process only, which stops the job
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+            if run.checkpoint_dir:  # seconds of imports: while the job starts, not after a stop
+                warm = threading.Thread(
+                    target=importlib.import_module, args=("runtime.checkpoint",), daemon=True
+                )
+                warm.start()
+            rc = proc.wait()
+        except _Stopped as stop:  # later signals are ignored while the job stops
+            return _stop(proc, stop.signum, run.checkpoint_dir, command)
     return rc if rc >= 0 else 128 - rc
+
+
+class _Stopped(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Any:
+    """SIGINT/SIGTERM/SIGHUP raise ``_Stopped`` once; later ones are ignored (the job is
+    being stopped); the previous handlers come back at the end."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise _Stopped(signum)
+
+    before = {sig: signal.signal(sig, handler) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in before.items():
+            signal.signal(sig, old)
+
+
+def _stop(
+    proc: subprocess.Popen[bytes] | None, signum: int, checkpoint_dir: str | None, command: str
+) -> int:
+    """Stop the job (the agent stops its workers; SIGKILL after STOP_GRACE_S), say in one
+    line where it can resume from, and return 128 + the signal's number."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # its workers get SIGKILL from the kernel (PR_SET_PDEATHSIG)
+            proc.wait()
+    name = signal.Signals(signum).name + (" (Ctrl-C)" if signum == signal.SIGINT else "")
+    print(
+        f"planner run: stopped by {name}; {_resume_note(checkpoint_dir, command)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 128 + signum
+
+
+def _resume_note(checkpoint_dir: str | None, command: str) -> str:
+    """Where a stopped run resumes from, and the command that does it."""
+    from runtime.checkpoint import latest_complete, read_marker
+
+    if not checkpoint_dir:
+        return f"no checkpoint to resume from (no --checkpoint-dir); to start over: {command}"
+    logging.disable(logging.WARNING)  # a save cut short by the stop is skipped, not news
+    try:
+        path = latest_complete(checkpoint_dir)
+    finally:
+        logging.disable(logging.NOTSET)
+    if path is None:
+        return f"no complete checkpoint in {checkpoint_dir} yet; to start over: {command}"
+    step = read_marker(path).get("step", "?")
+    return f"the last complete checkpoint is {path} (step {step}); resume with: {command}"
+
+
+def _command_line(run: RunOptions, launch: LaunchOptions) -> str:
+    """This ``planner run`` command line: as typed, when this process is the planner CLI."""
+    args = sys.argv[1:]
+    if "run" in args and Path(sys.argv[0]).name in ("planner", "__main__.py", "planner.exe"):
+        return shlex.join(["planner", *args])
+    return shlex.join(["planner", "run", *to_argv(run), *to_argv(launch)])
+
+
+def _check_port(addr: str, port: int) -> None:
+    """Refuse a ``--master-port`` another process listens on, before anything starts."""
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds it
+        try:
+            s.bind(where)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise ValueError(
+                f"--master-port {port} is already in use on {addr} (another run, or another "
+                f"program, listens there: `ss -ltnp 'sport = :{port}'` names it); pass another "
+                "port, or --master-port 0 for a free one"
+            ) from None
 
 
 def torchrun_command(

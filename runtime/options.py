@@ -93,6 +93,12 @@ class RunOptions:
         metavar="PATH",
     )
 
+    allow_device_mismatch: bool = option(
+        False,
+        help="run a plan made for GPUs on a machine without one (refused otherwise: its "
+        "predicted times and memory are for other hardware)",
+    )
+
     def __post_init__(self) -> None:
         for name in ("steps", "checkpoint_every", "warmup_steps"):
             if getattr(self, name) < 0:

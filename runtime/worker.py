@@ -65,6 +65,7 @@ from runtime.data import Feed, replica_of
 from runtime.engine import ParallelModel
 from runtime.failure import Where, fail, finish
 from runtime.launch import cpu_threads
+from runtime.lifecycle import model_exit, worker_start
 from runtime.materialize import meta_parameters
 from runtime.measure import Recorder, comparison_table, resident_bytes, write_trace
 from runtime.options import DEFAULT_TIMEOUT_S, LEARNING_RATES, RunOptions, add_run_options
@@ -92,9 +93,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         format=f"%(levelname)s {Where.prefix} %(name)s: %(message)s",
     )
     try:
-        return _train(from_namespace(RunOptions, ns))
-    except SystemExit:
-        raise
+        opts = from_namespace(RunOptions, ns)
+        lock = worker_start(opts)  # dies with its agent; device check; rank 0's lock
+        try:
+            return _train(opts)
+        finally:
+            if lock is not None:
+                lock.release()
+    except SystemExit as exc:  # nothing of ours exits inside: the model file's code did
+        fail(model_exit(exc, ns.model_file))
     except BaseException as exc:  # every failure ends the worker the same way
         fail(exc)
     return 1  # not reached

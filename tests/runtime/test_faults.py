@@ -202,6 +202,7 @@ def _fault_run(
         "PLANNER_CACHE_DIR": str(tmp / "cache"),
     }
     args = ["faulty.py", "--plan", "plan.yaml", "--steps", str(steps), "--timeout", str(timeout)]
+    args.append("--allow-device-mismatch")  # an H100 plan (analytic costs), run on the CPU
     cmd, full_env = planner_command([*args, *extra], env)
     log = tmp / f"{fault}-{token}.log"
     start = time.monotonic()
