@@ -355,11 +355,15 @@ def _parts(rec: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
-def overhead(plans: dict[str, Any], quick: bool) -> dict[str, Any]:
+OVERHEAD_CASES = ("stack-m4", "stack-m2", "gpt-m4", "stack-pp1dp2-m2")
+
+
+def overhead(
+    plans: dict[str, Any], quick: bool, names: tuple[str, ...] = OVERHEAD_CASES
+) -> dict[str, Any]:
     from bench import _runtime_workers as w
 
     nan = float("nan")
-    names = ["stack-m4", "stack-m2", "gpt-m4", "stack-pp1dp2-m2"]
     cases = [
         {"name": n, "spec": GPT if n.startswith("gpt") else STACK, "plan": plans[n]} for n in names
     ]

@@ -51,6 +51,8 @@ def auto_parallel(
     backend: str | None = None,
     split: str = "auto",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    clip_grad_norm: float | None = None,
+    on_nonfinite: str = "stop",
     **plan_options: Any,
 ) -> ParallelModel:
     """Plan ``model`` for this job's processes (or take ``plan``) and build its ``ParallelModel``.
@@ -83,7 +85,7 @@ def auto_parallel(
         plan: a Plan or a plan file to run instead of planning.
         cluster: the devices to plan for (default: ``from_gpus(world size)``).
         global_batch: samples per step (default: the sample's batch size).
-        backend, split, timeout_s: as ``ParallelModel.from_plan``.
+        backend, split, timeout_s, clip_grad_norm, on_nonfinite: as ``ParallelModel.from_plan``.
         **plan_options: fields of ``Training`` (precision, memory_headroom),
             ``SearchOptions`` (pp, dp, micro_batches, schedule, solver,
             time_limit_s, ...) and ``ProfileOptions`` (repeats, warmup, ...).
@@ -107,15 +109,10 @@ def auto_parallel(
         world,
     )
     pmodel = ParallelModel.from_plan(
-        model,
-        chosen,
-        loss_fn=loss,
-        optimizer=make_opt,
-        sample=normalize_inputs(sample[0]),
-        backend=backend,
-        split=split,
-        timeout_s=timeout_s,
-    )
+        model, chosen, loss_fn=loss, optimizer=make_opt, sample=normalize_inputs(sample[0]),
+        backend=backend, split=split, timeout_s=timeout_s, clip_grad_norm=clip_grad_norm,
+        on_nonfinite=on_nonfinite,
+    )  # fmt: skip
     if created:  # close() tears down the group this call created
         pmodel.mesh = dataclasses.replace(pmodel.mesh, owns_default_group=True)
     return pmodel

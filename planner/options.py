@@ -51,7 +51,9 @@ class Training:
     )
     precision: str = option(
         "fp32",
-        help="fp32, or bf16-mixed (bf16 weights and activations, fp32 master weights)",
+        help="fp32, or bf16-mixed (autocast to bf16: fp32 weights, gradients and optimizer "
+        "state; bf16 activations, a bf16 copy of the weights per step, bf16 gradient "
+        "all-reduce)",
         choices=PRECISIONS,
     )
     memory_headroom: float = option(

@@ -31,25 +31,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.optim import Optimizer
 
 from planner.plan.batch import batch_size_of, normalize_inputs, slice_batch
-from planner.plan.schedule import schedule_problem
 from planner.plan.schema import Plan
+from runtime.accumulate import build_whole
 from runtime.checks import check_plan
+from runtime.gradients import GradientStep, check_gradient_options
 from runtime.materialize import stage_weights
 from runtime.mesh import Mesh, init_mesh
 from runtime.options import DEFAULT_TIMEOUT_S
+from runtime.precision import autocast, check_training, compress_gradients
+from runtime.schedule import check_schedule, make_schedule
 from runtime.stage import StageModule, build_stage
 from runtime.tied import TiedParams, build_tied, tied_sets
 
-__all__ = ["SCHEDULES", "ParallelModel"]
+__all__ = ["ParallelModel"]
 
 log = logging.getLogger(__name__)
-
-SCHEDULES: dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-"""The plan's ``schedule`` name → torch's single-stage-per-rank schedule."""
 
 LossFn = Callable[[Any, Any], Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
@@ -64,6 +63,8 @@ class ParallelModel:
         plan, mesh, stage: what runs where.
         optimizer: over this stage's trainable parameters (None when it has none).
         tied: the tied-parameter groups.
+        update: what follows the backward (``runtime.gradients.GradientStep``):
+            its ``norm`` (the last global gradient norm) and ``skipped``.
         last_step_s: wall time of the last ``step`` on this rank (seconds).
         step_times: wall time of every ``step`` so far on this rank.
     """
@@ -79,6 +80,7 @@ class ParallelModel:
         optimizer: Optimizer | None,
         canonical: Mapping[str, str],
         unplaced: Mapping[str, Tensor],
+        update: GradientStep,
     ) -> None:
         self.plan = plan
         self.mesh = mesh
@@ -89,9 +91,19 @@ class ParallelModel:
         self._canonical = dict(canonical)
         self._order = list(dict.fromkeys(canonical.values()))
         self._unplaced = dict(unplaced)
-        self._checked_grads = False
+        self.update = update
         self.last_step_s: float | None = None
         self.step_times: list[float] = []
+
+    @property
+    def last_grad_norm(self) -> float:
+        """The last step's global gradient norm (before clipping)."""
+        return self.update.norm
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step's update was skipped: its loss or gradients were not finite."""
+        return self.update.skipped
 
     # ------------------------------------------------------------------ building
 
@@ -108,6 +120,8 @@ class ParallelModel:
         split: str = "auto",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         init_from: str | None = None,
+        clip_grad_norm: float | None = None,
+        on_nonfinite: str = "stop",
     ) -> ParallelModel:
         """Check the plan against the model, join the mesh, build this rank's stage.
 
@@ -135,6 +149,11 @@ class ParallelModel:
             split: "auto", "pipeline" or "fx" (see ``runtime.split``).
             timeout_s: how long a collective waits on a peer before failing.
             init_from: fill the stage by name from this file or folder (runtime.materialize).
+            clip_grad_norm, on_nonfinite: clip the global gradient norm to this;
+                "stop" or "skip" a non-finite step (``runtime.gradients``).
+
+        Precision and recompute run as priced (``runtime.precision``,
+        ``runtime.recompute``); pp = 1 runs the model itself (``runtime.accumulate``).
 
         Raises:
             PlanMismatch: the plan was made for another model, or the world size
@@ -142,14 +161,16 @@ class ParallelModel:
             ValueError: a bad sample, schedule or device.
             StageError: the model cannot be split at the plan's split points.
         """
-        _check_schedule(plan)
+        check_schedule(plan)
+        check_training(plan)
+        check_gradient_options(clip_grad_norm, on_nonfinite)
         example = _micro_batch(sample, plan.micro_batch_size)
         weights, example = stage_weights(init_from, model, example)
         check_plan(plan, model, backend=backend)
         sets = tied_sets(plan, model)
         canonical = _canonical_names(model)
         mesh = init_mesh(plan, backend=backend, timeout_s=timeout_s)
-        stage = build_stage(model, plan, mesh, example, split=split, materialize=weights)
+        stage = _stage(model, plan, mesh, example, split, weights)
         held = {canonical[n] for names in stage.held for n in names if n in canonical}
         unplaced = {
             k: v.detach() if weights else v.detach().cpu().clone()
@@ -158,24 +179,15 @@ class ParallelModel:
         }
         unplaced = weights.values(unplaced) if weights else unplaced  # from the file
         tied = build_tied(sets, stage, mesh)
-        schedule = SCHEDULES[plan.schedule](
-            stage.pipeline_stage,
-            n_microbatches=plan.micro_batches,
-            loss_fn=_on_model_output(loss_fn, stage.restore),
-            scale_grads=True,
-        )
         params = stage.trainable()
         opt = optimizer(params) if params else None
+        update = GradientStep(stage, tied, mesh, opt, clip_grad_norm=clip_grad_norm,
+                              on_nonfinite=on_nonfinite)  # fmt: skip
+        schedule = make_schedule(plan, stage, loss_fn)
         return cls(
-            plan=plan,
-            mesh=mesh,
-            stage=stage,
-            tied=tied,
-            schedule=schedule,
-            optimizer=opt,
-            canonical=canonical,
-            unplaced=unplaced,
-        )
+            plan=plan, mesh=mesh, stage=stage, tied=tied, schedule=schedule, optimizer=opt,
+            canonical=canonical, unplaced=unplaced, update=update,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ training
 
@@ -193,8 +205,15 @@ class ParallelModel:
                 r·B/dp … (r+1)·B/dp) or exactly this replica's shard (B/dp).
             targets: a Tensor, batch first, for the loss.
 
+        After the backward the loss and the global gradient norm are checked:
+        a NaN or infinite one stops training (:class:`NonFiniteError`, on every
+        rank, before the optimizer step) or skips the update, as
+        ``on_nonfinite`` says; then the gradients are clipped (``clip_grad_norm``)
+        and the optimizer steps.
+
         Raises:
             ValueError: a batch of another size (before any communication).
+            NonFiniteError: the loss or the gradients are not finite (``on_nonfinite="stop"``).
         """
         t0 = time.perf_counter()
         args, kwargs = normalize_inputs(inputs)
@@ -208,20 +227,18 @@ class ParallelModel:
             args, kwargs = _to(args, mesh.device), _to(kwargs, mesh.device)
         if last:
             targets = targets.to(mesh.device)
-        if first and last:
-            call(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
-        elif first:
-            call(*args, return_outputs=False, **kwargs)
-        elif last:
-            call(target=targets, losses=losses, return_outputs=False)
-        else:
-            call(return_outputs=False)
+        with autocast(self.plan, mesh.device):  # [Note: bf16-mixed as it runs]
+            if first and last:
+                call(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
+            elif first:
+                call(*args, return_outputs=False, **kwargs)
+            elif last:
+                call(target=targets, losses=losses, return_outputs=False)
+            else:
+                call(return_outputs=False)
         self.tied.sync_grads()
-        if not self._checked_grads:
-            self._check_grads()
-        if self.optimizer is not None:
-            self.optimizer.step()
         loss = self._reduce_loss(losses)
+        self.update(loss)  # checks, clipping, the optimizer step (runtime.gradients)
         self.last_step_s = time.perf_counter() - t0
         self.step_times.append(self.last_step_s)
         return loss
@@ -253,23 +270,6 @@ class ParallelModel:
             lo, hi = self.mesh.replica * shard, (self.mesh.replica + 1) * shard
             args, kwargs, targets = slice_batch((args, kwargs, targets), lo, hi, size)
         return args, kwargs, targets
-
-    def _check_grads(self) -> None:
-        """After the first backward: a trainable parameter without a gradient breaks DDP."""
-        self._checked_grads = True
-        missing = [
-            n for n, p in self.stage.module.named_parameters() if p.requires_grad and p.grad is None
-        ]
-        if not missing:
-            return
-        msg = (
-            f"{self.mesh.prefix} {len(missing)} trainable parameter(s) of stage "
-            f"{self.mesh.stage} got no gradient: {missing[:5]}; they are read but do not "
-            "reach the loss. fix: freeze them (p.requires_grad_(False)) or remove them"
-        )
-        if self.stage.ddp:
-            raise ValueError(msg + " (DDP needs a gradient for every trainable parameter)")
-        log.warning("%s", msg)
 
     def _reduce_loss(self, losses: list[Tensor]) -> float:
         mesh = self.mesh
@@ -335,26 +335,18 @@ class ParallelModel:
 # --------------------------------------------------------------------------- helpers
 
 
-def _on_model_output(loss_fn: LossFn, restore: Callable[[Any], Any]) -> LossFn:
-    """The schedule's loss: ``loss_fn`` of what the model returns (one process's object)."""
-
-    def stage_loss(output: Any, target: Any) -> Tensor:
-        return loss_fn(restore(output), target)
-
-    return stage_loss
-
-
-def _check_schedule(plan: Plan) -> None:
-    """Refuse a schedule this runtime does not run, or one the plan's layout cannot."""
-    if plan.schedule not in SCHEDULES:
-        raise ValueError(
-            f"the plan's schedule {plan.schedule!r} is not one this runtime runs "
-            f"({', '.join(SCHEDULES)}); edit training.schedule in the plan or re-plan"
-        )
-    problem = schedule_problem(plan.schedule, plan.pp, plan.micro_batches)
-    if problem is not None:
-        why, fix = problem
-        raise ValueError(f"the plan cannot run: {why}; fix: {fix} (re-plan, or edit the plan)")
+def _stage(
+    model: nn.Module, plan: Plan, mesh: Mesh, example: Any, split: str, weights: Any
+) -> StageModule:
+    """This rank's stage: the model itself when pp = 1 (``runtime.accumulate``), else split."""
+    if plan.pp == 1:  # no split, no schedule: the model under DDP
+        if weights is not None:
+            weights(model, mesh.device)
+        stage = build_whole(model, plan, mesh)
+    else:
+        stage = build_stage(model, plan, mesh, example, split=split, materialize=weights)
+    compress_gradients(stage.wrapped, plan, mesh.dp_group)  # bf16-mixed: bf16 all-reduce
+    return stage
 
 
 def _micro_batch(

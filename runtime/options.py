@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "LEARNING_RATES",
     "LOCAL_TIMEOUT_S",
+    "NONFINITE_ACTIONS",
     "SPLIT_METHODS",
     "LaunchOptions",
     "RunOptions",
@@ -39,6 +40,9 @@ has not answered in two minutes is gone."""
 
 LEARNING_RATES = {"adam": 1e-3, "adamw": 1e-3, "sgd": 1e-2}
 """The optimizers a worker builds (sgd: with momentum 0.9), and their default rates."""
+
+NONFINITE_ACTIONS = ("stop", "skip")
+"""What a step with a NaN or infinite loss or gradient does (``runtime.gradients``)."""
 
 SPLIT_METHODS = ("auto", "pipeline", "fx")
 """``auto``: ``pipeline`` first, ``fx`` when it fails; the others force one path."""
@@ -92,7 +96,17 @@ class RunOptions:
         "folder; without it every rank builds the whole model",
         metavar="PATH",
     )
-
+    clip_grad_norm: float | None = option(
+        None,
+        help="clip the global gradient norm (every stage and replica, each tensor once) to "
+        "this, as one process's clip_grad_norm_ would (none: no clipping)",
+    )
+    on_nonfinite: str = option(
+        "stop",
+        help="a step whose loss or gradients are NaN or infinite: stop (no update, no "
+        "checkpoint, exit 1) or skip its update and go on",
+        choices=NONFINITE_ACTIONS,
+    )
     allow_device_mismatch: bool = option(
         False,
         help="run a plan made for GPUs on a machine without one (refused otherwise: its "
@@ -114,6 +128,16 @@ class RunOptions:
                 RunOptions,
                 "optimizer",
                 f"is {self.optimizer!r}; choose one of {', '.join(LEARNING_RATES)}",
+            )
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise option_error(
+                RunOptions, "clip_grad_norm", f"must be > 0, got {self.clip_grad_norm}"
+            )
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise option_error(
+                RunOptions,
+                "on_nonfinite",
+                f"is {self.on_nonfinite!r}; choose one of {', '.join(NONFINITE_ACTIONS)}",
             )
         if self.init_from is not None and not os.path.exists(self.init_from):
             raise option_error(

@@ -29,10 +29,12 @@ from torch.nn.parallel import DistributedDataParallel
 from planner.plan.schema import Plan
 from runtime.mesh import Mesh
 from runtime.options import SPLIT_METHODS
+from runtime.precision import retype_boundaries, send_as
+from runtime.recompute import maybe_recompute
 from runtime.split import Example, split_for_plan
 from runtime.split.used import prune_unused, used_tensors
 
-__all__ = ["StageModule", "build_stage"]
+__all__ = ["StageModule", "build_stage", "maybe_ddp"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,7 @@ def build_stage(
     if split not in SPLIT_METHODS:
         raise ValueError(f"split must be one of {', '.join(SPLIT_METHODS)}, got {split!r}")
     parts = split_for_plan(model, plan, example, split)
+    sends = retype_boundaries(parts, example, plan, mesh.device)  # bf16-mixed: autocast's dtypes
     used = [used_tensors(m) for m in parts.modules]
     held = tuple(frozenset(names) for names in used)
     s = mesh.stage
@@ -117,24 +120,10 @@ def build_stage(
     prune_unused(module, used[s])
     if materialize is not None:  # [Note: building a stage without the whole model]
         materialize(module, mesh.device)
-    if parts.pipe is not None:
-        stage = parts.pipe.build_stage(s, mesh.device, group=mesh.pp_group)
-    else:
-        ins, outs = parts.shapes[s]
-        stage = PipelineStage(
-            module,
-            s,
-            plan.pp,
-            mesh.device,
-            input_args=ins,
-            output_args=outs,
-            group=mesh.pp_group,
-        )
-    # The pp group's ranks are sorted by global rank; the plan's stage order may differ.
-    stage.stage_index_to_group_rank = {
-        i: dist.get_group_rank(mesh.pp_group, mesh.grid[mesh.replica][i]) for i in range(plan.pp)
-    }
-    wrapped = _maybe_ddp(module, mesh)
+    stage = _torch_stage(parts, module, plan, mesh)
+    # [Note: recompute as it runs] in runtime.recompute
+    runner = maybe_recompute(send_as(module, sends[s]), plan.stages[s].recompute)
+    wrapped = maybe_ddp(runner, mesh)
     stage.submod = wrapped
     log.info(
         "%s stage %d/%d built with %s: %d parameters (%d trainable), %s",
@@ -159,10 +148,27 @@ def build_stage(
     )
 
 
+def _torch_stage(parts: Any, module: nn.Module, plan: Plan, mesh: Mesh) -> Any:
+    """torch's stage object for this rank's ``module``, talking to its replica's stages."""
+    s = mesh.stage
+    if parts.pipe is not None:
+        stage = parts.pipe.build_stage(s, mesh.device, group=mesh.pp_group)
+    else:
+        ins, outs = parts.shapes[s]
+        stage = PipelineStage(
+            module, s, plan.pp, mesh.device, input_args=ins, output_args=outs, group=mesh.pp_group
+        )
+    # The pp group's ranks are sorted by global rank; the plan's stage order may differ.
+    stage.stage_index_to_group_rank = {
+        i: dist.get_group_rank(mesh.pp_group, mesh.grid[mesh.replica][i]) for i in range(plan.pp)
+    }
+    return stage
+
+
 # --------------------------------------------------------------------------- DDP
 
 
-def _maybe_ddp(module: nn.Module, mesh: Mesh) -> nn.Module:
+def maybe_ddp(module: nn.Module, mesh: Mesh) -> nn.Module:
     """Wrap in DDP over this stage's replicas, when there are several and something to train.
 
     [Note: DDP inside a pipeline stage]

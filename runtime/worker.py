@@ -69,6 +69,7 @@ from runtime.lifecycle import model_exit, worker_start
 from runtime.materialize import meta_parameters
 from runtime.measure import Recorder, comparison_table, resident_bytes, write_trace
 from runtime.options import DEFAULT_TIMEOUT_S, LEARNING_RATES, RunOptions, add_run_options
+from runtime.precision import check_training
 
 __all__ = ["main"]
 
@@ -153,7 +154,8 @@ def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, 
     replica = replica_of(plan, int(os.environ.get("RANK", "0")))
     feed = Feed.of(mf, plan, replica=replica, seed=opts.seed)
     first = feed.batch(0)  # this replica's: traces the stage, then trains step 1
-    kind = opts.optimizer or (plan.optimizer if plan.optimizer in LEARNING_RATES else "adam")
+    check_training(plan)  # a precision or optimizer this runtime does not run: refused
+    kind = opts.optimizer or plan.optimizer
     pm = ParallelModel.from_plan(
         model,
         plan,
@@ -163,6 +165,8 @@ def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, 
         split=opts.split,
         timeout_s=opts.timeout or DEFAULT_TIMEOUT_S,
         init_from=opts.init_from,
+        clip_grad_norm=opts.clip_grad_norm,
+        on_nonfinite=opts.on_nonfinite,
     )
     assert pm.mesh.replica == replica, (pm.mesh.replica, replica)
     _say(pm.mesh.rank == 0, feed.describe())
@@ -186,10 +190,11 @@ def _loop(
         seed_step(pm, step, opts.seed)
         loss = pm.step(_inputs(batch), batch.targets)
         secs = pm.last_step_s or float("nan")
+        skipped = "  (update skipped: non-finite)" if pm.last_step_skipped else ""
         _say(
             lead,
             f"step {step + 1}/{opts.steps}  loss {loss:.6f}  {secs * 1e3:.1f} ms  "
-            f"{plan.global_batch / secs:.1f} samples/s",
+            f"{plan.global_batch / secs:.1f} samples/s{skipped}",
         )
         if opts.checkpoint_dir and every and (step + 1) % every == 0:
             _say(lead, f"checkpoint saved: {save(pm, opts.checkpoint_dir, step + 1)}")

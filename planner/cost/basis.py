@@ -24,21 +24,21 @@ __all__ = ["BlockTable", "CostBasis", "Layout", "RangeMax", "state_bytes"]
 
 
 def state_bytes(precision: str, optimizer: str) -> tuple[float, float, float]:
-    """Bytes per parameter of (weights, gradients, optimizer state).
+    """Bytes per parameter of (weights, gradients, optimizer state) that live all step.
 
     fp32: 4 + 4 + (Adam: two fp32 moments = 8; SGD with momentum: 4).
-    bf16-mixed: bf16 weights and gradients (2 + 2), plus fp32 master weights in
-    the optimizer state (4 + Adam's 8 = 12; SGD's 4 + 4 = 8): 16 B/param with
-    Adam, as in the ZeRO paper.
+    bf16-mixed, as the runtime runs it (autocast: [Note: bf16-mixed as it runs]
+    in ``runtime.precision``): the same fp32 weights (the master copy), fp32
+    gradients and fp32 moments; its bf16 copy of each weight (2 B, alive from
+    the step's first forward to its last backward) is :attr:`CostBasis.cast_b`,
+    and DDP reduces the gradients in bf16 (:attr:`CostBasis.wire_b`).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     moments = 8.0 if optimizer in ("adam", "adamw") else 4.0
-    if precision == "fp32":
-        return 4.0, 4.0, moments
-    return 2.0, 2.0, 4.0 + moments
+    return 4.0, 4.0, moments
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,6 +174,11 @@ class CostBasis:
         self.weights_b, self.grads_b, self.optim_b = state_bytes(
             training.precision, training.optimizer
         )
+        mixed = training.precision == "bf16-mixed"
+        self.cast_b = 2.0 if mixed else 0.0
+        """Bytes per parameter of autocast's bf16 copy of the weights, during fwd/bwd."""
+        self.wire_b = 2.0 if mixed else self.grads_b
+        """Bytes per parameter DDP's gradient all-reduce moves (bf16-mixed: in bf16)."""
         self.param_elem = DTYPE_BYTES.get(any_prof.dtype, 4)
         # Activations are profiled in the profile's dtype; bf16-mixed halves fp32 ones.
         self.act_scale = 0.5 if training.precision == "bf16-mixed" and self.param_elem == 4 else 1.0

@@ -129,12 +129,12 @@ class StageMemoryModel:
         moments.append((all_grads, recv + self._optimizer_temp(s, i, j)))
         grads, activations = max(moments, key=lambda g_a: g_a[0] + g_a[1])
         return MemoryBreakdown(
-            params=n_params * b.weights_b,
+            params=n_params * (b.weights_b + b.cast_b),
             grads=grads,
             optimizer=n_params * b.optim_b,
             buffers=tab.buffers[j] - tab.buffers[i],
             comm_buffers=(n_params + tied_params) * b.grads_b if b.layout.dp > 1 else 0.0,
-            tied_copies=tied_params * (b.weights_b + b.grads_b + b.optim_b),
+            tied_copies=tied_params * (b.weights_b + b.cast_b + b.grads_b + b.optim_b),
             activations=activations,
         )
 

@@ -227,7 +227,7 @@ class StageTime:
         if b.layout.dp == 1:
             return 0.0
         n_params = b.parameters(s, i, j) + b.tied_copy_bytes(i, j) / b.param_elem
-        t = b.cluster.allreduce_time(b.layout.ranks[s], n_params * b.grads_b)
+        t = b.cluster.allreduce_time(b.layout.ranks[s], n_params * b.wire_b)
         t += 2 * (b.layout.dp - 1) * self.wakeup_s  # a ring's 2(n − 1) messages
         return t * 1e3 * self.comm_scale
 

@@ -221,9 +221,17 @@ def save(pmodel: ParallelModel, directory: str | os.PathLike[str], step: int) ->
     every rank. An existing folder of the same step is overwritten (its marker
     is removed first, so it is never complete while half rewritten).
 
+    Nothing non-finite is ever saved: every rank first checks its stage's
+    weights and optimizer state, and if any rank finds a NaN or an infinity,
+    every rank refuses (a collective flag) before anything is written.
+
     Returns:
         The checkpoint folder.
+
+    Raises:
+        ValueError: a weight or optimizer state tensor is NaN or infinite on some rank.
     """
+    _refuse_nonfinite(pmodel, step)
     path = checkpoint_path(directory, step)
     rank = dist.get_rank()
     if rank == 0:
@@ -242,6 +250,32 @@ def save(pmodel: ParallelModel, directory: str | os.PathLike[str], step: int) ->
         "%s checkpoint %s saved in %.2f s", pmodel.mesh.prefix, path, time.perf_counter() - started
     )
     return path
+
+
+def _refuse_nonfinite(pmodel: ParallelModel, step: int) -> None:
+    """Raise on every rank if any rank's weights or optimizer state are not finite."""
+    bad = [k for k, v in pmodel.stage_state_dict().items() if _nonfinite(v)]
+    if pmodel.optimizer is not None:
+        for state in pmodel.optimizer.state.values():
+            bad += [f"optimizer {k}" for k, v in state.items() if _nonfinite(v)]
+    flag = torch.tensor([float(len(bad))], device=pmodel.mesh.device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() > 0:
+        where = f"{len(bad)} here: {bad[:3]}" if bad else "on another rank"
+        raise ValueError(
+            f"refusing to save the checkpoint of step {step}: tensors are NaN or infinite "
+            f"({where}); a checkpoint of them would poison every resume.\n  fix: resume "
+            "from the last good checkpoint with a lower learning rate or --clip-grad-norm"
+        )
+
+
+def _nonfinite(value: Any) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and not bool(torch.isfinite(value).all())
+    )
 
 
 def rank_state(pmodel: ParallelModel, step: int) -> dict[str, Any]:

@@ -76,7 +76,7 @@ def _model(pp=2, dp=1, m=2, schedule="gpipe", prof=None, **train) -> CostModel:
 
 def test_state_bytes_per_parameter() -> None:
     assert state_bytes("fp32", "adam") == (4, 4, 8)
-    assert state_bytes("bf16-mixed", "adamw") == (2, 2, 12)
+    assert state_bytes("bf16-mixed", "adamw") == (4, 4, 8)  # + autocast's bf16 copy: cast_b
     assert state_bytes("fp32", "sgd") == (4, 4, 4)
     with pytest.raises(ValueError, match="adam"):
         state_bytes("fp32", "lion")
@@ -85,6 +85,18 @@ def test_state_bytes_per_parameter() -> None:
 # The profile's blocks: 1 Mi fp32 parameters (4 MiB), 8 MiB saved, 1 MiB output,
 # 2 MiB crossing each split; 0.5 MiB input. H100s: Adam's foreach temporaries are
 # 4 B per parameter. See [Note: the memory peak] in planner/cost/stage_memory.py.
+
+
+def test_bf16_mixed_prices_what_autocast_keeps() -> None:
+    """fp32 weights (+ a bf16 copy), fp32 gradients and moments, bf16 activations and
+    all-reduce: [Note: bf16-mixed as it runs] in runtime/precision.py."""
+    fp32, bf16 = _model(pp=2, dp=2), _model(pp=2, dp=2, precision="bf16-mixed")
+    a, b = fp32.memory(0, 0, 1), bf16.memory(0, 0, 1)
+    assert b.params == a.params * (4 + 2) / 4
+    assert (b.optimizer, b.comm_buffers) == (a.optimizer, a.comm_buffers)  # fp32 buckets
+    assert b.activations < a.activations
+    # the gradient all-reduce moves half the bytes (alpha-beta: less than the fp32 one)
+    assert 0 < bf16.time.reduce_ms(0, 0, 1) < fp32.time.reduce_ms(0, 0, 1)
 
 
 def test_memory_peak_gpipe_first_backward() -> None:
@@ -139,13 +151,14 @@ def test_bf16_mixed_and_dp_buckets() -> None:
     cm = _model(pp=1, dp=2, m=1, precision="bf16-mixed")
     mem = cm.memory(0, 0, 4)
     n = 4 * MB  # parameters
-    assert (mem.params, mem.optimizer) == (2 * n, 12 * n)
-    assert mem.comm_buffers == 2 * n  # DDP's buckets: one gradient's worth
-    # The first backward's peak (no optimizer temporaries counted on GPUs): block 3's
-    # gradients (2 MiB), all 32 MiB saved, output and loss (2 × 1), the gradients of
-    # block 3's output and input (1 + 1); bf16 halves fp32 activations.
-    assert mem.grads == n // 2
-    assert mem.activations == (MB // 2 + 32 * MB + 2 * MB + 2 * MB) * 0.5
+    assert (mem.params, mem.optimizer) == (6 * n, 8 * n)  # fp32 + bf16 copy; 2 moments
+    assert mem.comm_buffers == 4 * n  # DDP's buckets: one fp32 gradient's worth
+    # With fp32 gradients the optimizer step's moment (every gradient
+    # (16 MiB) and the replica's batch) ties with the first backward's (block 3's 4 MiB of
+    # gradients, and 36.5 MiB of activations that bf16 halves: 4 + 18.25 = 16 + 6.25).
+    assert mem.grads == 4 * n
+    first_backward = n + (MB // 2 + 32 * MB + 2 * MB + 2 * MB) * 0.5
+    assert first_backward == mem.grads + mem.activations  # a tie: the later moment wins
 
 
 def test_tied_copy_is_charged_to_the_stage_without_the_owner() -> None:

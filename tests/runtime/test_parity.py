@@ -78,7 +78,8 @@ WORLD2 = [
     Case("resnet-m2-fx", "resnet", m=2, bn_eval=True, split="fx", expect_method="fx"),
     Case("gpt-m2-1f1b-tied", "gpt", m=2, schedule="1f1b", optimizer="adam"),
     Case("branchy-auto-fallback", "branchy", m=2, expect_method="fx"),
-    Case("pp1-dp2-mlp", "mlp", pp=1, dp=2, m=2),  # plain data parallel through the same path
+    # pp = 1: the model itself under DDP, gradients accumulated (runtime.accumulate)
+    Case("pp1-dp2-mlp", "mlp", pp=1, dp=2, m=2, expect_method="whole"),
 ]
 WORLD3 = [  # the U-Net's long skips cross both split points
     Case("pp3-unet-m4-1f1b", "unet", pp=3, m=4, schedule="1f1b", bn_eval=True),
