@@ -16,11 +16,15 @@ bound to that address itself (``TCPStore(master_listen_fd=...)``):
 
 gloo binds to the interface ``GLOO_SOCKET_IFNAME`` names (``lo``, set by
 ``planner run``). A run on several machines needs an explicit address (the
-machines must reach each other) and gets torch's stores unchanged.
+machines must reach each other) and gets torch's stores unchanged. Several
+agents of one job on one machine, on a loopback endpoint (as
+``tests/runtime/test_multinode.py`` runs two "machines"): the first hosts the
+store, the others connect to it, as with torch's c10d.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 from datetime import timedelta
@@ -112,7 +116,16 @@ def _create_handler(params: Any) -> Any:
         _, store = create_backend(params)
     else:  # the agent on this machine hosts the store (planner run: one node)
         timeout = int(params.get_as_int("read_timeout", 60) or 60)
-        store = listening_store(host, port, timeout_s=timeout, multi_tenant=True)
+        try:
+            store = listening_store(host, port, timeout_s=timeout, multi_tenant=True)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or is_host is True:
+                raise
+            # another agent of this job on this machine hosts it (several agents on one
+            # machine, as torch's c10d allows; `planner run` checks its port beforehand)
+            import torch.distributed as dist
+
+            store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
     return create_handler(store, Backend(store, params.run_id), params)
 
 
