@@ -65,7 +65,8 @@ def meta_parameters() -> Iterator[None]:
     Every parameter a module registers (``self.weight = nn.Parameter(...)``)
     is replaced by a meta one at once, so the initialisers that follow run on
     meta (free) and a parameter's storage lives only while its constructor
-    runs. A tensor registered twice stays one tensor (ties keep).
+    runs. A tensor registered twice stays one tensor (ties keep); a subclass of
+    ``nn.Parameter`` stays real (it is filled from the file all the same).
     """
     original = nn.Module.register_parameter
     moved: dict[int, tuple[weakref.ref[Tensor], nn.Parameter]] = {}  # id(real) -> its meta
@@ -101,8 +102,12 @@ def write_weights(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     from safetensors.torch import save_file
 
     tensors: dict[str, Tensor] = {}
+    storages: set[int] = set()  # safetensors refuses two tensors on one storage: copy the later
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        tensors[name] = t.detach().cpu().contiguous()
+        t = t.detach().cpu().contiguous()
+        where = t.untyped_storage().data_ptr()
+        tensors[name] = t.clone() if where in storages and t.numel() else t
+        storages.add(where)
     path = Path(path)
     save_file(tensors, str(path), metadata={"format": "pt"})
     return path

@@ -381,3 +381,13 @@ def test_memory_per_rank_follows_its_stage_not_the_model(tmp_path: Path) -> None
         assert runs["init"][r]["grown"] < LIMIT_BYTES, runs["init"][r]  # under it
         assert runs["init"][r]["grown"] < stage + 64 * 2**20, runs["init"][r]  # ∝ the stage
         assert runs["init"][r]["loss"] == runs["full"][r]["loss"]
+
+
+def test_tensors_sharing_a_storage_are_written_apart(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    model = nn.Linear(3, 3)
+    model.register_buffer("table", torch.arange(10.0))
+    model.register_buffer("window", model.get_buffer("table")[2:5])  # a view of the table
+    got = load_file(str(write_weights(model, tmp_path / "w.safetensors")))
+    assert torch.equal(got["window"], torch.tensor([2.0, 3.0, 4.0])) and len(got) == 4
