@@ -134,20 +134,27 @@ def hold(directory: str | os.PathLike[str], command: str | None = None) -> Lock:
             raise LockHeld(_held_message(directory, _read(path))) from None
     file.seek(0)
     before = file.read().strip()
+    host = socket.gethostname()
     if before:
         try:
             info = json.loads(before)
         except ValueError:
             info = {}
-        log.warning(
-            "taking over the lock %s of a run that ended without releasing it (%s); its "
-            "last complete checkpoint is where this run resumes",
-            path,
-            holder_line(info) if isinstance(info, dict) else "unreadable",
-        )
+        info = info if isinstance(info, dict) else {}
+        if info.get("parent") == os.getppid() and info.get("host") == host:
+            # the same agent's earlier attempt (--max-restarts): this job's own lock
+            log.info("%s: taking over the lock of this job's previous attempt", path)
+        else:
+            log.warning(
+                "taking over the lock %s of a run that ended without releasing it (%s); its "
+                "last complete checkpoint is where this run resumes",
+                path,
+                holder_line(info) if info else "unreadable",
+            )
     mine = {
         "pid": os.getpid(),
-        "host": socket.gethostname(),
+        "parent": os.getppid(),  # the agent: a restarted rank 0 has the same one
+        "host": host,
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "command": command or " ".join([Path(sys.executable).name, *sys.argv]),
     }

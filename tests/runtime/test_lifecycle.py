@@ -365,3 +365,16 @@ def test_device_types_are_compared_with_this_machine(setup: Path) -> None:
         check_device(h100, gpu_name="")
     forced = check_device(h100, gpu_name="", allow_mismatch=True)
     assert forced and "(--allow-device-mismatch)" in forced
+
+
+def test_a_restarted_rank_0_takes_its_own_jobs_lock_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "LOCK").write_text(  # what rank 0's previous attempt, SIGKILLed, left
+        f'{{"pid": 1, "parent": {os.getppid()}, "host": "{socket.gethostname()}", '
+        '"started": "2026-01-01 00:00:00 UTC", "command": "planner run x.py"}\n'
+    )
+    with caplog.at_level("INFO", logger="runtime.lock"):
+        hold(tmp_path).release()
+    assert [r.levelname for r in caplog.records] == ["INFO"], caplog.text
+    assert "this job's previous attempt" in caplog.text
