@@ -19,7 +19,8 @@ slowed down (``LIFE_STEP_S``) so that a signal lands mid-training:
   with ENOSPC), a plan made for other devices: each said cause first.
 
 Each signal case prints the seconds from the signal to the last process gone
-(``pytest -s`` shows them).
+(``pytest -s`` shows them). The lock alone: test_lock.py; a process dying with
+its parent, alone: test_parent_death.py.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from planner.plan import load_plan, save_plan
 from planner.plan.modelfile import load_model_file
 from planner.planning import plan_model
 from runtime.checks import PlanMismatch, check_device
-from runtime.lock import LockHeld, check_free, hold
 
 pytestmark = pytest.mark.multiprocess
 
@@ -269,28 +269,6 @@ def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_note(setup: Path) -> Non
     assert (ckpt / "LOCK").read_text() == ""  # released at the end: nothing to take over
 
 
-def test_the_lock_is_exclusive_across_processes_and_released(tmp_path: Path) -> None:
-    lock = hold(tmp_path / "ckpt", "planner run x.py --plan p.yaml")
-    probe = (
-        "import sys; from runtime.lock import hold, LockHeld\n"
-        "try:\n    hold(sys.argv[1])\nexcept LockHeld as e:\n    print(e); sys.exit(7)\n"
-    )
-    other = subprocess.run(
-        [sys.executable, "-c", probe, str(tmp_path / "ckpt")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert other.returncode == 7, other.stderr
-    assert f"pid {os.getpid()} on {socket.gethostname()}" in other.stdout
-    assert "running `planner run x.py --plan p.yaml`" in other.stdout
-    with pytest.raises(LockHeld):
-        check_free(tmp_path / "ckpt")
-    lock.release()
-    check_free(tmp_path / "ckpt")
-    hold(tmp_path / "ckpt").release()  # free again
-
-
 # --------------------------------------------------------------------------- causes, first
 
 
@@ -365,16 +343,3 @@ def test_device_types_are_compared_with_this_machine(setup: Path) -> None:
         check_device(h100, gpu_name="")
     forced = check_device(h100, gpu_name="", allow_mismatch=True)
     assert forced and "(--allow-device-mismatch)" in forced
-
-
-def test_a_restarted_rank_0_takes_its_own_jobs_lock_quietly(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    (tmp_path / "LOCK").write_text(  # what rank 0's previous attempt, SIGKILLed, left
-        f'{{"pid": 1, "parent": {os.getppid()}, "host": "{socket.gethostname()}", '
-        '"started": "2026-01-01 00:00:00 UTC", "command": "planner run x.py"}\n'
-    )
-    with caplog.at_level("INFO", logger="runtime.lock"):
-        hold(tmp_path).release()
-    assert [r.levelname for r in caplog.records] == ["INFO"], caplog.text
-    assert "this job's previous attempt" in caplog.text
