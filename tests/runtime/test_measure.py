@@ -17,22 +17,28 @@ import dataclasses
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from repo import ROOT
+from runs import RUN_TIMEOUT_S, planner_run
 from small_examples import batch, build, loss_for
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 from world import run_world
 
 from planner.devices import from_gpus
-from planner.options import PlanOptions, SearchOptions, Training
+from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
 from planner.plan import Plan, load_plan, save_plan
+from planner.plan.modelfile import load_model_file
+from planner.plan.units import MIB
 from planner.planning import plan_model
 from runtime.measure.memory import CPU_METHOD, MemoryProbe
 
+MLP = ROOT / "examples" / "mlp.py"
 TOLERANCE = 0.10  # the runtime's figure within 10 % of the true live-tensor peak
 CPU = torch.device("cpu")
 
@@ -236,3 +242,48 @@ def test_each_ranks_recorded_peak_is_the_allocators(
         got = results[case]
         assert got["how"] == CPU_METHOD
         assert got["peak"] == pytest.approx(got["truth"], rel=TOLERANCE), (rank, got)
+
+
+# --------------------------------------------------------------------------- planner run
+
+PLAN_TOLERANCE = 0.25
+"""Measured vs predicted peak per stage, activation-heavy MLP on 2 CPU ranks. Seen:
++12 % and +20 % (19.4 vs 17.3 MiB, 12.5 vs 10.5 MiB): the prediction leaves out about
+2 MiB per stage that the runtime holds (the gap the table reports, tracked, not hidden)."""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
+def test_planner_run_reports_each_stages_peak_near_the_plans(tmp_path: Path) -> None:
+    """MLP, 32 features, 512 samples in 2 micro-batches of 256, pp 2, GPipe: activations
+    are about half of each stage's predicted peak."""
+    env = {"MLP_IN": "32", "PLANNER_CACHE_DIR": str(tmp_path / "cache")}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        mf = load_model_file(MLP)
+        plan = plan_model(
+            mf.build(),
+            lambda b: (mf.sample(b).args, {}, mf.sample(b).targets),
+            cluster=from_gpus(2),
+            loss_fn=mf.loss,
+            options=PlanOptions(
+                training=Training(global_batch=512),
+                search=SearchOptions(pp=2, micro_batches=2, schedule="gpipe"),
+                profile=ProfileOptions(repeats=2, warmup=1),
+            ),
+            model_file="examples/mlp.py",
+        )
+    assert all(st.memory.activations > 0.4 * st.memory.total for st in plan.stages)
+    save_plan(plan, tmp_path / "plan.yaml")
+    rc, out, _ = planner_run([str(MLP), "--plan", "plan.yaml", "--steps", "3"], env, tmp_path)
+    assert rc == 0, out
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("predicted vs measured"))
+    assert lines[head + 1].split()[-3:] == ["MiB", "meas", "err"], lines[head + 1]
+    for k, st in enumerate(plan.stages):
+        cells = lines[head + 2 + k].split()
+        predicted, measured = float(cells[-3]), float(cells[-2])
+        assert predicted == pytest.approx(st.memory.total / MIB, abs=0.05)
+        assert measured == pytest.approx(predicted, rel=PLAN_TOLERANCE), lines[head + 2 + k]
+    assert f"memory measured as: {CPU_METHOD}" in out, out
