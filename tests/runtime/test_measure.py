@@ -281,9 +281,10 @@ def test_planner_run_reports_each_stages_peak_near_the_plans(tmp_path: Path) -> 
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("predicted vs measured"))
     assert lines[head + 1].split()[-3:] == ["MiB", "meas", "err"], lines[head + 1]
-    for k, st in enumerate(plan.stages):
-        cells = lines[head + 2 + k].split()
+    for index, st in enumerate(plan.stages):
+        row = lines[head + 2 + index]
+        cells = row.split()
         predicted, measured = float(cells[-3]), float(cells[-2])
         assert predicted == pytest.approx(st.memory.total / MIB, abs=0.05)
-        assert measured == pytest.approx(predicted, rel=PLAN_TOLERANCE), lines[head + 2 + k]
+        assert measured == pytest.approx(predicted, rel=PLAN_TOLERANCE), row
     assert f"memory measured as: {CPU_METHOD}" in out, out
