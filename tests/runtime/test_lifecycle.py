@@ -320,6 +320,21 @@ def test_a_full_disk_while_checkpointing_says_so_and_names_the_folder(setup: Pat
     assert "CheckpointException ranks" not in "\n".join(lines), out
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_a_really_full_disk_says_so_too(setup: Path) -> None:
+    tiny = setup / f"tiny-{uuid.uuid4().hex[:6]}"
+    tiny.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(tiny)]
+    if subprocess.run(mount, capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:  # 3 pages: the lock fits, a checkpoint's files do not
+        out = _failed_run(setup, "--checkpoint-dir", str(tiny / "ckpt"))
+    finally:
+        subprocess.run(["umount", str(tiny)], timeout=30)
+    lines = [x for x in out.splitlines() if f"No space left on device in {tiny}/ckpt" in x]
+    assert lines and "free space there or give another --checkpoint-dir" in lines[0], out
+
+
 @pytest.mark.timeout(60)
 def test_a_gpu_plan_is_refused_on_a_machine_without_a_gpu(setup: Path) -> None:
     if check_device(load_plan(setup / "plan.yaml"), gpu_name=None) is not None:
