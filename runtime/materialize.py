@@ -199,14 +199,18 @@ class StageWeights:
             for name, t in items:
                 slots.setdefault(id(t), []).append((name, kind))
                 first.setdefault(id(t), t)
-        wanted: dict[str, Tensor] = {}
+        wanted: dict[str, Tensor] = {}  # file key -> the tensor read from it
+        again: list[tuple[str, Tensor]] = []  # another copy of one key (T5: two in a stage)
         fresh: dict[int, Tensor] = {}
         missing: list[str] = []
         for key, old in first.items():
             fresh[key] = new = torch.empty(old.shape, dtype=old.dtype, device=device)
             found = self._find([name for name, _ in slots[key]])
             if found is not None and found[0] == "file":
-                wanted[found[1]] = new
+                if found[1] in wanted:
+                    again.append((found[1], new))
+                else:
+                    wanted[found[1]] = new
             elif found is not None:
                 new.copy_(self._constants[found[1]])
             elif not old.is_meta:
@@ -222,6 +226,8 @@ class StageWeights:
                 "match the model's (model.named_parameters())"
             )
         self._file.load(wanted)
+        for file_key, copy in again:
+            copy.copy_(wanted[file_key])
         for key, places in slots.items():
             old = first[key]
             value: Tensor = fresh[key]
@@ -244,7 +250,7 @@ class StageWeights:
         for name, t in templates.items():
             found = self._find(list(self._aliases.get(name, (name,))))
             if found is not None and found[0] == "file":
-                out[name] = wanted[found[1]] = torch.empty(t.shape, dtype=t.dtype)
+                out[name] = wanted.setdefault(found[1], torch.empty(t.shape, dtype=t.dtype))
             elif found is not None:
                 out[name] = self._constants[found[1]].clone()
             elif not t.is_meta:

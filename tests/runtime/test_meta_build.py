@@ -206,3 +206,39 @@ def test_a_forward_that_reads_values_cannot_take_the_fx_split_on_meta() -> None:
         model = build("branchy")  # bool(torch.isfinite(x).all()) in its forward
     with pytest.raises(StageError, match=r"meta device \(--init-from\).*\n  why: the forward"):
         split_model(model, ["fc1"], ((torch.randn(2, 32, device="meta"),), {}))
+
+
+class TiedTwice(nn.Module):
+    """One weight in three modules, two of them in the first stage (as T5's embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Embedding(32, 16)
+        self.dec = nn.Embedding(32, 16)
+        self.dec.weight = self.enc.weight
+        self.mix = nn.Linear(16, 16)
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.enc.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.mix(self.enc(idx) + self.dec(idx.flip(1)))
+        return self.head(torch.relu(self.body(h)))
+
+
+def test_two_copies_of_one_tied_weight_in_a_stage_are_both_filled(tmp_path: Path) -> None:
+    torch.manual_seed(6)
+    full = TiedTwice()
+    init = write_weights(full, tmp_path / "init.safetensors")
+    idx = torch.randint(0, 32, (2, 5))
+    with meta_parameters():
+        model = TiedTwice()
+    weights = StageWeights(init, model)
+    pipe, _ = split_pipeline(model, ["body"], weights.example(((idx,), {})))
+    first = pipe.get_stage_module(0)
+    prune_unused(first, used_tensors(first))
+    copies = {id(p) for n, p in first.named_parameters() if n in ("enc.weight", "dec.weight")}
+    assert len(copies) == 2  # pipeline() gives the stage two tensors of the one weight
+    weights(first, torch.device("cpu"))
+    for name in ("enc.weight", "dec.weight"):
+        assert torch.equal(first.get_parameter(name), full.enc.weight), name
