@@ -30,8 +30,10 @@ def comparison_table(plan: Plan, result: Measurement) -> str:
     """The plan's predictions beside the measured figures, per stage, with the error of each.
 
     Error = measured / predicted − 1 (+25% : slower or larger than predicted).
-    Times are per micro-batch (fwd, bwd) and per step; memory is the peak in
-    MiB (see the module docstring for how it is measured on the CPU).
+    Times are per micro-batch (fwd, bwd) and per step; memory is the stage's
+    peak in MiB over the counted steps, the most of its replicas; the last line
+    says how it was measured (``runtime.measure.memory``: CUDA's allocator, or
+    on the CPU the peak of live tensor bytes, by tracked allocations).
     """
     cols = [
         ("stage", 5),

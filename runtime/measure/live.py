@@ -109,7 +109,7 @@ class LiveTensors(TorchDispatchMode):
         if known is not None:
             if known[1] == nbytes:
                 return
-            self.bound += nbytes - known[1]  # resized in place (an out= op, resize_)
+            self.bound += nbytes - known[1]  # resized in place since it was tracked
         elif nbytes:
             self.bound += nbytes
         else:

@@ -29,10 +29,10 @@ class MemoryProbe:
     Example (what ``Recorder`` does)::
 
         probe = MemoryProbe(device)
-        probe.start()                          # before the first step
+        probe.start(pmodel.stage.wrapped)      # before the first step
         with probe.step(args):                 # every step (CPU: tracked)
             pmodel.step(*args)
-        probe.count_from_here(pmodel.stage.wrapped)   # before the first counted step
+        probe.count_from_here()                # before the first counted step
         ...
         peak, how = probe.peak()
 
@@ -40,20 +40,28 @@ class MemoryProbe:
     it counts everything the allocator holds for tensors). On the CPU, a
     :class:`~runtime.measure.live.LiveTensors` over every step: what the steps
     allocate, what existed before them (every tensor the garbage collector
-    sees at :meth:`count_from_here`) and DDP's gradient buckets (C++ only:
+    sees at :meth:`start` and :meth:`count_from_here`) and DDP's gradient buckets (C++ only:
     their bytes from DDP, :func:`ddp_bucket_bytes`).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.cuda = device.type == "cuda"
-        self.live = None if self.cuda else LiveTensors(device)
+        self.live = None if device.type == "cuda" else LiveTensors(device)
         self._ddp: DistributedDataParallel | None = None
 
-    def start(self) -> None:
-        """Before the first recorded step: CUDA's peak statistics start here."""
-        if self.cuda:
+    def start(self, wrapped: nn.Module | None = None) -> None:
+        """Before the first recorded step: the peak starts here, from what is alive.
+
+        ``wrapped``: the stage's module as it runs; a ``DistributedDataParallel``'s
+        buckets count (CPU).
+        """
+        if self.live is None:
             torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        if isinstance(wrapped, DistributedDataParallel):
+            self._ddp = wrapped
+            self.live.hold("DDP buckets", ddp_bucket_bytes(wrapped))
+        self.count_from_here()
 
     @contextlib.contextmanager
     def step(self, args: Any = ()) -> Iterator[None]:
@@ -65,23 +73,15 @@ class MemoryProbe:
         with self.live:
             yield
 
-    def count_from_here(self, wrapped: nn.Module | None = None) -> None:
-        """The peak restarts now, from what is alive (CPU; CUDA's counts from :meth:`start`).
-
-        ``wrapped``: the stage's module as it runs; a ``DistributedDataParallel``'s
-        buckets count.
-        """
-        if self.live is None:
-            return
-        self.live.add_all(live_tensors(self.device))
-        if isinstance(wrapped, DistributedDataParallel):
-            self._ddp = wrapped
-            self.live.hold("DDP buckets", ddp_bucket_bytes(wrapped))
-        self.live.reset_peak()
+    def count_from_here(self) -> None:
+        """The peak restarts now, from what is alive (CPU; CUDA's counts from :meth:`start`)."""
+        if self.live is not None:
+            self.live.add_all(live_tensors(self.device))
+            self.live.reset_peak()
 
     def untracked_ddp(self, pre_forward: Callable[..., Any]) -> Callable[..., Any]:
         """DDP's ``_pre_forward``, run untracked: its one rebuild of the buckets swaps
-        C++-only tensors for others, which :meth:`count_from_here` counts from DDP's sizes."""
+        C++-only tensors for others, which :meth:`start` counted from DDP's sizes: read again."""
         live = self.live
 
         def run(*args: Any, **kwargs: Any) -> Any:
