@@ -8,7 +8,7 @@ import contextlib
 import os
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,7 +17,17 @@ from torch.utils._pytree import tree_leaves
 
 from runtime.measure.live import LiveTensors, live_tensors
 
-__all__ = ["CPU_METHOD", "CUDA_METHOD", "MemoryProbe", "ddp_bucket_bytes", "resident_bytes"]
+if TYPE_CHECKING:
+    from runtime.engine import ParallelModel
+
+__all__ = [
+    "CPU_METHOD",
+    "CUDA_METHOD",
+    "MemoryProbe",
+    "ddp_bucket_bytes",
+    "resident_bytes",
+    "stage_state_bytes",
+]
 
 CUDA_METHOD = "cuda max allocated"
 CPU_METHOD = "cpu: peak live tensor bytes (tracked allocations)"
@@ -121,6 +131,27 @@ def ddp_bucket_bytes(ddp: DistributedDataParallel) -> int:
     if sizes:
         return sum(int(x) for x in re.findall(r"\d+", str(sizes)))
     return sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
+
+
+def stage_state_bytes(pmodel: ParallelModel) -> int:
+    """Bytes of the stage's parameters, buffers, gradients and optimizer state, each once.
+
+    Example: ``stage_state_bytes(pmodel) / 2**20`` MiB, after a step (gradients and
+    Adam's moments exist from the first one on).
+    """
+    module = pmodel.stage.module
+    tensors: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
+    tensors += [p.grad for p in module.parameters() if p.grad is not None]
+    if pmodel.optimizer is not None:
+        for state in pmodel.optimizer.state.values():
+            tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 def resident_bytes() -> int:
