@@ -296,9 +296,11 @@ def _failed_run(setup: Path, *extra: str, **env: str) -> str:
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
-@pytest.mark.parametrize(("where", "code", "rank"), [("build_model", 3, 0), ("loss_fn", 4, 1)])
+@pytest.mark.parametrize(  # build_model exits on both ranks, loss_fn on the last stage's
+    ("where", "code", "rank"), [("build_model", 3, r"\d"), ("loss_fn", 4, "1")]
+)
 def test_sys_exit_in_the_model_file_is_named_as_such(
-    setup: Path, where: str, code: int, rank: int
+    setup: Path, where: str, code: int, rank: str
 ) -> None:
     out = _failed_run(setup, LIFE_EXIT=where)
     want = re.compile(
