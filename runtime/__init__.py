@@ -2,12 +2,18 @@
 
 It imports ``planner.plan`` (the contract) and nothing else of the planner.
 The parts: ``options`` (every knob), ``launch`` (``planner run``), ``agent``
-and ``rendezvous`` (torchrun, on loopback), ``worker`` (``python -m
-runtime``), ``failure`` (how a worker ends), ``checks`` (before any
-communication), ``mesh`` (the dp × pp process groups), ``split`` (the model
-cut at the split points), ``stage`` (this rank's stage, DDP), ``tied`` (tied
-weights across stages), ``engine`` (:class:`ParallelModel`), ``checkpoint``
-and ``measure``.
+and ``rendezvous`` (torchrun, on loopback), ``lifecycle`` and ``lock`` (a
+job dies with its launcher; one run per checkpoint folder), ``worker``
+(``python -m runtime``), ``failure`` (how a worker ends), ``checks`` (before
+any communication), ``data`` (the model file's dataset, sharded over the
+replicas), ``mesh`` (the dp × pp process groups), ``materialize`` and
+``weights`` (a stage built without the whole model, filled by name),
+``split`` (the model cut at the split points), ``stage`` (this rank's stage,
+DDP), ``accumulate`` (pp = 1: the model under DDP), ``schedule``,
+``recompute`` and ``precision`` (the plan's recompute and bf16-mixed, as
+priced), ``tied`` (tied weights across stages), ``gradients`` (the global
+norm, clipping, non-finite steps), ``engine`` (:class:`ParallelModel`),
+``checkpoint`` and ``measure``.
 """
 
 from __future__ import annotations
