@@ -8,13 +8,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from repo import ROOT
 
 __all__ = [
+    "MLP",
     "RUN_TIMEOUT_S",
     "alive",
     "listening_addresses",
+    "mlp_plan",
     "planner_command",
     "planner_run",
     "sockets",
@@ -22,6 +25,41 @@ __all__ = [
 
 RUN_TIMEOUT_S = 120
 """The longest one ``planner run`` of a test may take."""
+
+
+MLP = ROOT / "examples" / "mlp.py"
+
+
+def mlp_plan(tmp: Path, global_batch: int) -> tuple[Any, dict[str, str]]:
+    """The MLP example (32 features) planned for 2 local CPU processes (pp 2, GPipe, 2
+    micro-batches), saved as ``tmp/plan.yaml``; returns it and the run's environment."""
+    import pytest
+
+    from planner.devices import from_gpus
+    from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
+    from planner.plan import save_plan
+    from planner.plan.modelfile import load_model_file
+    from planner.planning import plan_model
+
+    env = {"MLP_IN": "32", "PLANNER_CACHE_DIR": str(tmp / "cache")}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        mf = load_model_file(MLP)
+        plan = plan_model(
+            mf.build(),
+            lambda b: (mf.sample(b).args, {}, mf.sample(b).targets),
+            cluster=from_gpus(2),
+            loss_fn=mf.loss,
+            options=PlanOptions(
+                training=Training(global_batch=global_batch),
+                search=SearchOptions(pp=2, micro_batches=2, schedule="gpipe"),
+                profile=ProfileOptions(repeats=2, warmup=1),
+            ),
+            model_file="examples/mlp.py",
+        )
+    save_plan(plan, tmp / "plan.yaml")
+    return plan, env
 
 
 def planner_command(args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:

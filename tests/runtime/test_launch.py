@@ -19,16 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from repo import ROOT
-from runs import RUN_TIMEOUT_S, listening_addresses, planner_run
-
-from planner.devices import from_gpus
-from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
-from planner.plan import save_plan
-from planner.plan.modelfile import load_model_file
-from planner.planning import plan_model
-
-MLP = ROOT / "examples" / "mlp.py"
+from runs import MLP, RUN_TIMEOUT_S, listening_addresses, mlp_plan, planner_run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,24 +27,7 @@ pytestmark = pytest.mark.multiprocess
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("run")
-    env = {"MLP_IN": "32", "PLANNER_CACHE_DIR": str(tmp / "cache")}
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        mf = load_model_file(MLP)
-        plan = plan_model(
-            mf.build(),
-            lambda b: (mf.sample(b).args, {}, mf.sample(b).targets),
-            cluster=from_gpus(2),
-            loss_fn=mf.loss,
-            options=PlanOptions(
-                training=Training(global_batch=32),
-                search=SearchOptions(pp=2, micro_batches=2, schedule="gpipe"),
-                profile=ProfileOptions(repeats=2, warmup=1),
-            ),
-            model_file="examples/mlp.py",
-        )
-    save_plan(plan, tmp / "plan.yaml")
+    plan, env = mlp_plan(tmp, global_batch=32)
     common = [str(MLP), "--plan", "plan.yaml", "--checkpoint-dir", "ckpt"]
     first = planner_run(
         [*common, "--steps", "4", "--checkpoint-every", "2", "--trace", "trace.json"], env, tmp

@@ -23,22 +23,19 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from repo import ROOT
-from runs import RUN_TIMEOUT_S, planner_run
+from runs import MLP, RUN_TIMEOUT_S, mlp_plan, planner_run
 from small_examples import batch, build, loss_for
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 from world import run_world
 
 from planner.devices import from_gpus
-from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
+from planner.options import PlanOptions, SearchOptions, Training
 from planner.plan import Plan, load_plan, save_plan
-from planner.plan.modelfile import load_model_file
 from planner.plan.units import MIB
 from planner.planning import plan_model
 from runtime.measure.memory import CPU_METHOD, MemoryProbe
 
-MLP = ROOT / "examples" / "mlp.py"
 TOLERANCE = 0.10  # the runtime's figure within 10 % of the true live-tensor peak
 CPU = torch.device("cpu")
 
@@ -257,25 +254,8 @@ PLAN_TOLERANCE = 0.25
 def test_planner_run_reports_each_stages_peak_near_the_plans(tmp_path: Path) -> None:
     """MLP, 32 features, 512 samples in 2 micro-batches of 256, pp 2, GPipe: activations
     are about half of each stage's predicted peak."""
-    env = {"MLP_IN": "32", "PLANNER_CACHE_DIR": str(tmp_path / "cache")}
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        mf = load_model_file(MLP)
-        plan = plan_model(
-            mf.build(),
-            lambda b: (mf.sample(b).args, {}, mf.sample(b).targets),
-            cluster=from_gpus(2),
-            loss_fn=mf.loss,
-            options=PlanOptions(
-                training=Training(global_batch=512),
-                search=SearchOptions(pp=2, micro_batches=2, schedule="gpipe"),
-                profile=ProfileOptions(repeats=2, warmup=1),
-            ),
-            model_file="examples/mlp.py",
-        )
+    plan, env = mlp_plan(tmp_path, global_batch=512)
     assert all(st.memory.activations > 0.4 * st.memory.total for st in plan.stages)
-    save_plan(plan, tmp_path / "plan.yaml")
     rc, out, _ = planner_run([str(MLP), "--plan", "plan.yaml", "--steps", "3"], env, tmp_path)
     assert rc == 0, out
     lines = out.splitlines()
