@@ -231,7 +231,9 @@ def _check_stage_modules(plan: Plan, k: int, err: Callable[[str], PlanError]) ->
     first block (the first module call the stage runs; "" for stage 0). The
     runtime splits at the split points alone, so an edit of one that the
     others do not follow would run a placement the plan did not predict.
-    Without a profile, only the split point against the modules is checked.
+    Without a profile, only the split point against the modules is checked
+    (a stage whose blocks hold no module call has none: the planner writes such
+    stages, e.g. torchvision's ViT-B/16 at pp 4).
     """
     st, where = plan.stages[k], f"stages[{k}]"
     fix = "edit split_point, blocks and modules together, or re-plan"
@@ -241,13 +243,12 @@ def _check_stage_modules(plan: Plan, k: int, err: Callable[[str], PlanError]) ->
                 f"{where}.split_point is {st.split_point!r}; the first stage starts at the "
                 'model\'s inputs, so it must be empty ("")'
             )
-    elif not st.modules or not (
-        st.split_point == st.modules[0] or st.split_point.startswith(st.modules[0] + ".")
-    ):
-        first = repr(st.modules[0]) if st.modules else "none (modules is empty)"
+    elif st.modules and not _nested(st.split_point, st.modules[0]):
+        # A stage's blocks may hold no module call (only functions: a ViT's encoder input
+        # after its split point), or its split point may name the parent of its first call.
         raise err(
             f"{where}.split_point {st.split_point!r} is not the stage's first module call "
-            f"(modules[0] is {first}); {fix}"
+            f"(modules[0] is {st.modules[0]!r}); {fix}"
         )
     if not plan.profiles:
         return
@@ -315,3 +316,8 @@ def plan_summary(plan: Plan) -> str:
         f"pp {plan.pp} × dp {plan.dp}, {plan.micro_batches} micro-batches ({plan.schedule}), "
         f"{plan.predicted.step_ms:.1f} ms/step"
     )
+
+
+def _nested(a: str, b: str) -> bool:
+    """Whether module paths ``a`` and ``b`` are the same, or one lies inside the other."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
