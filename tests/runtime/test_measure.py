@@ -34,6 +34,7 @@ from planner.options import PlanOptions, SearchOptions, Training
 from planner.plan import Plan, load_plan, save_plan
 from planner.plan.units import MIB
 from planner.planning import plan_model
+from runtime.measure.live import LiveTensors, live_tensors
 from runtime.measure.memory import CPU_METHOD, MemoryProbe
 
 TOLERANCE = 0.10  # the runtime's figure within 10 % of the true live-tensor peak
@@ -45,6 +46,15 @@ def _adam_step(model: nn.Module, opt: torch.optim.Optimizer, x: Any, y: Any, los
     loss = loss_fn(model(x), y)
     loss.backward()
     opt.step()
+
+
+def _alive_bytes() -> int:
+    """Bytes of the CPU tensors this process holds already (other tests' leftovers in a
+    full run): the probe counts every tensor alive, so the figures here are above these."""
+    gc.collect()
+    live = LiveTensors(CPU)
+    live.add_all(live_tensors(CPU))
+    return live.reconcile()
 
 
 def _probe_peak(step: Callable[[], None], args: Any, steps: int = 2) -> float:
@@ -73,6 +83,7 @@ def test_a_tiny_mlp_steps_peak_is_the_hand_counted_one() -> None:
     gradients do not exist yet (zero_grad set them to None).
     """
     b, d, h, c = 256, 64, 512, 8
+    base = _alive_bytes()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, c))
     opt = torch.optim.Adam(model.parameters())
@@ -80,7 +91,7 @@ def test_a_tiny_mlp_steps_peak_is_the_hand_counted_one() -> None:
     p = h * d + h + c * h + c
     floats = 3 * p + b * d + b * c + (c * h + c) + 3 * b * h
     expected = 4 * floats + 4 * 4  # + Adam's four float32 ``step`` scalars
-    got = _probe_peak(lambda: _adam_step(model, opt, x, y, F.mse_loss), (x, y))
+    got = _probe_peak(lambda: _adam_step(model, opt, x, y, F.mse_loss), (x, y)) - base
     # Everything counted by hand is alive at that moment: a lower bound. Left out: the
     # loss's scalars and one more (B, C) tensor of its backward (0.4 % here).
     assert expected <= got <= expected * (1 + TOLERANCE), (got, expected)
@@ -121,6 +132,7 @@ def _allocator_peak(prof: Any, window: str) -> tuple[float, float]:
 
 def test_a_gpt_steps_peak_is_the_allocators() -> None:
     """The allocator's events, with the profiler on from before the model existed."""
+    base = _alive_bytes()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(0)
         model = build("gpt")
@@ -133,7 +145,7 @@ def test_a_gpt_steps_peak_is_the_allocators() -> None:
 
         step()  # warm-up: grads, Adam's state
         with record_function("counted"):
-            got = _probe_peak(step, (x, y), steps=2)
+            got = _probe_peak(step, (x, y), steps=2) - base
     start, truth = _allocator_peak(prof, "counted")
     assert truth > start > 0
     assert got == pytest.approx(truth, rel=TOLERANCE), (got, truth)
