@@ -51,16 +51,12 @@ def comparison_table(plan: Plan, result: Measurement) -> str:
         ("meas", 8),
         ("err", 6),
     ]
-    tracked = result.memory_step
-    warm = [s for s in result.steps if s not in set(result.counted) and s != tracked]
-    notes = ([f"step(s) {_span(warm)}: warm-up"] if warm else []) + (
-        [f"step {tracked + 1}: memory tracked"] if tracked is not None else []
-    )
+    warm = [s for s in result.steps if s not in set(result.counted)]
     lines = [
         f"predicted vs measured: {plan.schedule}, pp {plan.pp} × dp {plan.dp}, "
         f"{plan.micro_batches} micro-batches × {plan.micro_batch_size} samples; "
         f"medians over step(s) {_span(result.counted)}"
-        + (f" ({'; '.join(notes)})" if notes else ""),
+        + (f" (step(s) {_span(warm)}: warm-up)" if warm else ""),
         "  ".join(name.rjust(w) for name, w in cols),
     ]
     step_pred = plan.predicted.step_ms

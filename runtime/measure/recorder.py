@@ -31,10 +31,8 @@ statistics) the peak of live tensor bytes, counted storage by storage as the
 steps allocate and free them (``runtime.measure.live``): parameters,
 gradients, optimizer state, buffers, activations, the pipeline's receive
 buffers, DDP's buckets. Its cost, one Python call per operator (+2 % on
-examples/mlp.py's step, +15 % on a 2-stage GPT's; see [Note: tracking live
-tensor bytes]), would slow what is timed, so on the CPU it tracks one step:
-the first counted one, which the time figures leave out whenever another step
-is counted (the step's memory repeats; its times need not).
+examples/mlp.py's step), is inside the CPU's measured times (see [Note:
+tracking live tensor bytes]).
 
 The first ``warmup_steps`` recorded steps (allocations, first-call costs) are
 left out of the figures. Ranks' clocks are aligned by a barrier when the
@@ -118,7 +116,6 @@ class Measurement:
     steps: list[int]  # recorded steps, in order
     counted: list[int]  # the ones after warm-up (the figures' source)
     global_batch: int
-    memory_step: int | None = None  # the step memory was tracked on, left out of the times
 
     def stage_figures(
         self, stage: int, *, skip_last_backward: int | None = None
@@ -287,13 +284,10 @@ class Recorder:
         def timed_step(*args: Any, **kwargs: Any) -> Any:
             self._step += 1
             self._steps.append(self._step)
-            tracked = self._step == self._first + self.warmup_steps
-            if tracked:
+            if self._step == self._first + self.warmup_steps:
                 self._mem.count_from_here()  # grads, optimizer state exist now
             self._losses = 0
             self._forget()
-            if not tracked:  # memory is tracked on one step only (module docstring)
-                return self._timed("step", step, _whole)(*args, **kwargs)
             with self._mem.step((args, kwargs)):
                 return self._timed("step", step, _whole)(*args, **kwargs)
 
@@ -337,17 +331,11 @@ class Recorder:
             parts = parts_or_none
         recorded = sorted({iv.step for r in parts for iv in r.intervals if iv.kind == "step"})
         counted = [s for s in recorded if s >= self._first + self.warmup_steps] or recorded
-        tracked = self._first + self.warmup_steps
-        left_out = None
-        if self._mem.live is not None and len(counted) > 1 and tracked in counted:
-            counted = [s for s in counted if s != tracked]  # its times carry the tracking
-            left_out = tracked
         return Measurement(
             records=sorted(parts, key=lambda r: r.rank),
             steps=recorded,
             counted=counted,
             global_batch=self.pmodel.plan.global_batch,
-            memory_step=left_out,
         )
 
     def close(self) -> None:

@@ -59,9 +59,7 @@ def test_planner_run_prints_predicted_beside_measured(runs: dict[str, Any]) -> N
     assert rc == 0, out
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("predicted vs measured"))
-    # step 1 warms up; step 2's memory is tracked (its times are left out): steps 3-4 timed
-    assert "pp 2 × dp 1" in lines[head] and "medians over step(s) 3–4" in lines[head], lines[head]
-    assert "step 2: memory tracked" in lines[head], lines[head]
+    assert "pp 2 × dp 1" in lines[head] and "medians over step(s) 2–4" in lines[head], lines[head]
     columns = lines[head + 1].split()
     assert columns[:5] == ["stage", "ranks", "fwd", "ms", "meas"], columns
     plan = runs["plan"]
