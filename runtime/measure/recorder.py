@@ -31,8 +31,8 @@ statistics) the peak of live tensor bytes, counted storage by storage as the
 steps allocate and free them (``runtime.measure.live``): parameters,
 gradients, optimizer state, buffers, activations, the pipeline's receive
 buffers, DDP's buckets. Its cost, one Python call per operator (+2 % on
-examples/mlp.py's step), is inside the CPU's measured times (see [Note:
-tracking live tensor bytes]).
+examples/mlp.py's step, up to +15 % on a 2-stage GPT's), is inside the CPU's
+measured times (see [Note: tracking live tensor bytes]).
 
 The first ``warmup_steps`` recorded steps (allocations, first-call costs) are
 left out of the figures. Ranks' clocks are aligned by a barrier when the
