@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,18 @@ def test_the_report_replays_the_predicted_step_exactly(cpu_plan: Plan) -> None:
 def test_a_saved_plan_replays_the_same_step(cpu_plan: Plan, tmp_path: Path) -> None:
     loaded = load_plan(save_plan(cpu_plan, tmp_path / "plan.yaml"))
     assert timeline(loaded).step_ms == cpu_plan.predicted.step_ms  # bit for bit
-    assert _text(loaded) == _text(cpu_plan)
+    again = load_plan(save_plan(loaded, tmp_path / "again.yaml"))
+    assert _text(again) == _text(loaded)  # the file is a fixed point
+    # Figures for people are saved to 6 significant digits, so one printed to 4 may round
+    # the other way at its last digit (1.5645 -> "1.565" where 1.56449... gave "1.564",
+    # seen in CI): the report says the same things, each number within its last digit.
+    before, after = _text(cpu_plan).splitlines(), _text(loaded).splitlines()
+    assert len(before) == len(after)
+    for a, b in zip(before, after, strict=True):
+        assert re.sub(r"\d", "#", a) == re.sub(r"\d", "#", b), (a, b)
+        for x, y in zip(re.findall(r"\d+\.?\d*", a), re.findall(r"\d+\.?\d*", b), strict=True):
+            last = 10.0 ** -len(x.split(".")[1]) if "." in x else 1.0
+            assert abs(float(x) - float(y)) <= last * 1.01, (a, b)
 
 
 def test_the_trace_and_the_html_end_at_the_predicted_step(cpu_plan: Plan, tmp_path: Path) -> None:
