@@ -145,6 +145,7 @@ def _train(opts: RunOptions) -> int:
 
 def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, Feed]:
     """This rank's stage of the plan, and its replica's feed of batches (runtime.data)."""
+    check_training(plan)  # a precision or optimizer this runtime does not run: refused first
     threads = cpu_threads(plan, int(os.environ.get("RANK", "0")))
     if threads and not torch.cuda.is_available():
         torch.set_num_threads(threads)  # as the plan measured this device
@@ -154,7 +155,6 @@ def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, 
     replica = replica_of(plan, int(os.environ.get("RANK", "0")))
     feed = Feed.of(mf, plan, replica=replica, seed=opts.seed)
     first = feed.batch(0)  # this replica's: traces the stage, then trains step 1
-    check_training(plan)  # a precision or optimizer this runtime does not run: refused
     kind = opts.optimizer or plan.optimizer
     pm = ParallelModel.from_plan(
         model,
