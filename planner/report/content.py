@@ -253,9 +253,13 @@ def cut_rows(plan: Plan) -> tuple[list[Row], str]:
         nbytes = fmt_bytes(block.boundary_bytes) if block is not None else "—"
         send = plan.stages[st.index - 1].send_ms
         rows.append(([str(st.index), st.split_point, tensors, nbytes, fmt_ms(send)], ""))
-    size = f"micro-batch {anchor.batch_size}" if anchor is not None else "no profile kept"
+    traced = (
+        f"traced at micro-batch {anchor.batch_size}"
+        if anchor is not None
+        else "not known: the plan keeps no profile"
+    )
     note = (
-        f"what stage k receives from stage k − 1, per micro-batch, traced at {size} (the "
+        f"what stage k receives from stage k − 1, per micro-batch, {traced} (the "
         f"plan's is {plan.micro_batch_size}); its gradients go back the same way; send: both "
         "directions, predicted"
     )

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.table import Table
 
 from planner.plan.records import ModelProfile
+from planner.report.content import Row
+from planner.report.fold import Col
+from planner.report.terminal import print_table
 
 __all__ = ["CHECK_TOLERANCE", "check_line", "print_profile"]
 
@@ -33,30 +35,36 @@ def check_line(prof: ModelProfile) -> str:
     )
 
 
+# Which columns a narrow terminal hides first (higher: earlier; 0: the last to go).
+_COLS = [
+    Col("#", right=True, drop=4),
+    Col("block (split point)"),
+    Col("fwd ms", right=True),
+    Col("bwd ms", right=True),
+    Col("params MB", right=True, drop=1),
+    Col("activations MB", right=True, drop=1),
+    Col("boundary MB", right=True, drop=2),
+    Col("GFLOP fwd", right=True, drop=3),
+]
+
+
 def print_profile(prof: ModelProfile, *, title: str = "", console: Console | None = None) -> None:
-    """Print the per-block table, the tied-parameter sets, notes and the check line."""
+    """Print the per-block table (folded to the console's width), the tied-parameter sets,
+    notes and the check line.
+
+    Example::
+
+        print_profile(profile_model(model, (x,)), title="model.py · micro-batch 8")
+    """
     console = console or Console()
-    table = Table(
-        title=title or None,
-        caption=(
-            f"{prof.source} on {prof.device}, micro-batch {prof.batch_size}, {prof.dtype}, "
-            + (f"{prof.threads} threads, median of {prof.repeats}" if prof.threads else "roofline")
-            + f", captured with {prof.capture}"
-        ),
+    caption = (
+        f"{prof.source} on {prof.device}, micro-batch {prof.batch_size}, {prof.dtype}, "
+        + (f"{prof.threads} threads, median of {prof.repeats}" if prof.threads else "roofline")
+        + f", captured with {prof.capture}"
     )
-    for col, justify in (
-        ("#", "right"),
-        ("block (split point)", "left"),
-        ("fwd ms", "right"),
-        ("bwd ms", "right"),
-        ("params MB", "right"),
-        ("activations MB", "right"),
-        ("boundary MB", "right"),
-        ("GFLOP fwd", "right"),
-    ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    rows: list[Row] = []
     for b in prof.blocks:
-        table.add_row(
+        cells = [
             str(b.index),
             b.name or "<input>",
             f"{b.fwd_ms:.3f}",
@@ -65,13 +73,12 @@ def print_profile(prof: ModelProfile, *, title: str = "", console: Console | Non
             f"{b.activation_bytes / _MB:.2f}",
             f"{b.boundary_bytes / _MB:.3f}",
             f"{b.fwd_flops / 1e9:.3f}",
-        )
+        ]
+        rows.append((cells, ""))
     if prof.loss_fwd_ms or prof.loss_bwd_ms:
-        table.add_row(
-            "", "(loss)", f"{prof.loss_fwd_ms:.3f}", f"{prof.loss_bwd_ms:.3f}", "", "", "", ""
-        )
-    table.add_section()
-    table.add_row(
+        loss = ["", "(loss)", f"{prof.loss_fwd_ms:.3f}", f"{prof.loss_bwd_ms:.3f}", "", "", "", ""]
+        rows.append((loss, ""))
+    total = [
         "",
         f"total ({len(prof.blocks)} blocks)",
         f"{sum(b.fwd_ms for b in prof.blocks) + prof.loss_fwd_ms:.2f}",
@@ -80,8 +87,9 @@ def print_profile(prof: ModelProfile, *, title: str = "", console: Console | Non
         f"{sum(b.activation_bytes for b in prof.blocks) / _MB:.2f}",
         "",
         f"{sum(b.fwd_flops for b in prof.blocks) / 1e9:.2f}",
-    )
-    console.print(table)
+    ]
+    rows.append((total, ""))
+    print_table(console, title, _COLS, rows, caption, where="`planner profile --json`")
     if prof.tied:
         for t in prof.tied:
             console.print(

@@ -1,5 +1,5 @@
 """The plan report on the terminal: a summary, the stage, split-point and candidate
-tables, warnings."""
+tables, warnings; laid out to the console's width (:mod:`planner.report.fold`)."""
 
 from __future__ import annotations
 
@@ -23,28 +23,85 @@ from planner.report.content import (
     summary,
     timeline,
 )
+from planner.report.fold import Col, fold, hidden_note, wrap
 
-__all__ = ["print_plan"]
+__all__ = ["print_plan", "print_table"]
 
 _RICH_STYLE = {"over": "bold red", "near": "yellow", "chosen": "bold green"}
 
+# Which columns a narrow terminal hides first (higher: earlier; 0: the last to go).
+# The step's figures and each stage's fit are what a plan is read for; the memory
+# breakdown, the device (the summary names the cluster) and the module list after them.
+_STAGE_DROP = {
+    "split point": 3,
+    "modules": 5,
+    "ranks": 4,
+    "device": 8,
+    "send ms": 2,
+    "sync ms": 2,
+    "p+g+opt": 6,
+    "activations": 6,
+    "other": 9,
+    "R": 7,
+}
+_CAND_DROP = {"status": 1, "reason": 2}
+_CUT_DROP = {"tensors received (as traced)": 2, "bytes": 1, "send ms": 1}
 
-def _rich_table(
-    title: str, cols: list[str], rows: list[Row], note: str, mem: int | None = None
-) -> Table:
-    table = Table(title=title, caption=note)
-    for k, col in enumerate(cols):
-        # On a narrow terminal, headers and text wrap (folding long names); numbers stay whole.
-        name, right = col.rstrip(">"), col.endswith(">")
-        whole = max([len(cells[k]) for cells, _ in rows if right and k != mem], default=None)
-        table.add_column(name, justify="right" if right else "left", overflow="fold")
-        table.columns[-1].min_width = whole
-    for cells, level in rows:
-        texts = [Text(c) for c in cells]
-        if mem is not None and level in ("over", "near"):
-            texts[mem].stylize(_RICH_STYLE[level])
-        table.add_row(*texts, style=_RICH_STYLE[level] if level == "chosen" else None)
-    return table
+
+def columns(names: list[str], drop: dict[str, int]) -> list[Col]:
+    """``Col``s from the report's column names (">": a number) and drop priorities."""
+    return [
+        Col(n.rstrip(">"), right=n.endswith(">"), drop=drop.get(n.rstrip(">"), 0)) for n in names
+    ]
+
+
+def print_table(
+    console: Console,
+    title: str,
+    cols: list[Col],
+    rows: list[Row],
+    note: str,
+    mem: int | None = None,
+    where: str = "the HTML report",
+) -> None:
+    """One table at the console's width: the title, the folded table (rows styled by
+    level: the chosen one bold, a memory cell over or near capacity red or yellow), the
+    caption, and which columns were hidden, if any (and ``where`` to see them all).
+
+    Example::
+
+        print_table(Console(width=80), "stages", [Col("stage", right=True)], [(["0"], "")], "")
+    """
+    width = console.width
+    table = fold(cols, [cells for cells, _ in rows], width)
+    if title:
+        console.print(Text(title, style="bold"))
+    for line, r, cells in zip(table.lines, table.rows, table.cells, strict=True):
+        text = Text(line)
+        if r is not None:
+            level = rows[r][1]
+            if level == "chosen":
+                text.stylize(_RICH_STYLE[level])
+            elif mem is not None and level in ("over", "near") and mem in table.keep:
+                i = table.keep.index(mem)
+                cell = cells[i]
+                end = table.offsets[i] + table.widths[i]  # a number: right-aligned
+                text.stylize(_RICH_STYLE[level], end - len(cell), end)
+        console.print(text, no_wrap=True, overflow="ignore", crop=False)
+    for line in wrap(note, width) if note else []:
+        console.print(Text(line, style="dim"), no_wrap=True)
+    hidden = hidden_note(table.hidden, width, where)
+    for line in wrap(hidden, width) if hidden else []:
+        console.print(Text(line, style="dim"), no_wrap=True)
+
+
+def _stage_cols(plan: Plan) -> list[Col]:
+    drop = dict(_STAGE_DROP)
+    if len({st.device for st in plan.stages}) > 1:
+        drop["device"] = 3  # devices differ: which stage runs where matters
+    if any(st.recompute for st in plan.stages):
+        drop["R"] = 1  # a stage recomputes: say which
+    return columns(STAGE_COLS, drop)
 
 
 def print_plan(plan: Plan, *, console: Console | None = None) -> None:
@@ -56,20 +113,22 @@ def print_plan(plan: Plan, *, console: Console | None = None) -> None:
     """
     console = console or Console()
     grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
+    grid.add_column(style="bold", no_wrap=True)
     grid.add_column()
     for label, text in summary(plan, timeline(plan)):
         grid.add_row(label, Text(text))
     console.print(grid)
     rows, unit = stage_rows(plan)
-    console.print(_rich_table("stages", STAGE_COLS, rows, stage_note(unit), MEM_COL))
+    print_table(console, "stages", _stage_cols(plan), rows, stage_note(unit), MEM_COL)
     if plan.pp > 1:
         cuts, note = cut_rows(plan)
-        console.print(_rich_table("what crosses each split point", CUT_COLS, cuts, note))
+        cut_cols = columns(CUT_COLS, _CUT_DROP)
+        print_table(console, "what crosses each split point", cut_cols, cuts, note)
     for line in over_capacity(plan):
         console.print(Text(f"over capacity: {line}", style="bold red"))
     if plan.candidates:
         note = f"{CAND_NOTE}; the chosen one in bold"
-        console.print(_rich_table("candidates", CAND_COLS, candidate_rows(plan), note))
+        cand_cols = columns(CAND_COLS, _CAND_DROP)
+        print_table(console, "candidates", cand_cols, candidate_rows(plan), note)
     for w in plan.warnings:
         console.print(Text(f"warning: {w}", style="yellow"))

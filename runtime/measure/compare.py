@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,8 @@ from planner.plan.files import atomic_write
 from planner.plan.schema import Plan
 from planner.plan.timeline import ChromeTrace
 from planner.plan.units import MIB
+from planner.report.fold import Col, fold, hidden_note, output_width, wrap
+from planner.report.format import fmt_ranks
 from runtime.measure.recorder import Measurement
 
 __all__ = ["comparison_table", "trace_json", "write_trace"]
@@ -26,7 +30,7 @@ def _f(x: float, digits: int = 2) -> str:
     return "—" if x != x else f"{x:.{digits}f}"
 
 
-def comparison_table(plan: Plan, result: Measurement) -> str:
+def comparison_table(plan: Plan, result: Measurement, width: int | None = None) -> str:
     """The plan's predictions beside the measured figures, per stage, with the error of each.
 
     Error = measured / predicted − 1 (+25% : slower or larger than predicted).
@@ -34,31 +38,18 @@ def comparison_table(plan: Plan, result: Measurement) -> str:
     peak in MiB over the counted steps, the most of its replicas; the last line
     says how it was measured (``runtime.measure.memory``: CUDA's allocator, or
     on the CPU the peak of live tensor bytes, by tracked allocations).
+
+    The table fits ``width`` (default: the terminal's, else ``COLUMNS``, else
+    100): on a narrow one the step's columns go first, then the ranks, then
+    memory, and the last line says which were hidden (``planner.report.fold``).
     """
-    cols = [
-        ("stage", 5),
-        ("ranks", 6),
-        ("fwd ms", 7),
-        ("meas", 7),
-        ("err", 6),
-        ("bwd ms", 7),
-        ("meas", 7),
-        ("err", 6),
-        ("step ms", 8),
-        ("meas", 8),
-        ("err", 6),
-        ("mem MiB", 8),
-        ("meas", 8),
-        ("err", 6),
-    ]
+    width = width or _width()
     warm = [s for s in result.steps if s not in set(result.counted)]
-    lines = [
-        f"predicted vs measured: {plan.schedule}, pp {plan.pp} × dp {plan.dp}, "
-        f"{plan.micro_batches} micro-batches × {plan.micro_batch_size} samples; "
+    title = (
+        f"predicted vs measured: pp {plan.pp} × dp {plan.dp}, {plan.schedule}, "
+        f"m {plan.micro_batches} × {plan.micro_batch_size}; "
         f"medians over step(s) {_span(result.counted)}"
-        + (f" (step(s) {_span(warm)}: warm-up)" if warm else ""),
-        "  ".join(name.rjust(w) for name, w in cols),
-    ]
+    )
     step_pred = plan.predicted.step_ms
     # [Note: DDP's all-reduce runs inside the last backward] With dp > 1 the last
     # micro-batch's backward also all-reduces the stage's gradients (DDP hooks in
@@ -66,40 +57,72 @@ def comparison_table(plan: Plan, result: Measurement) -> str:
     # and compares with the predicted backward + gradient sync instead (marked *).
     with_sync = plan.dp > 1 and plan.micro_batches == 1
     skip = plan.micro_batches if plan.dp > 1 and plan.micro_batches > 1 else None
+    rows = []
     for st in plan.stages:
         got = result.stage_figures(st.index, skip_last_backward=skip)
         bwd_pred = st.bwd_ms + (st.sync_ms if with_sync else 0.0)
         mem_pred = st.memory.total
-        cells = [
-            str(st.index),
-            ",".join(map(str, st.ranks)),
-            _f(st.fwd_ms),
-            _f(got["fwd_ms"]),
-            _err(got["fwd_ms"], st.fwd_ms),
-            _f(bwd_pred) + ("*" if with_sync else ""),
-            _f(got["bwd_ms"]),
-            _err(got["bwd_ms"], bwd_pred),
-            _f(step_pred, 1),
-            _f(got["step_ms"], 1),
-            _err(got["step_ms"], step_pred),
-            _f(mem_pred / MIB, 1),
-            _f(got["peak_bytes"] / MIB, 1),
-            _err(got["peak_bytes"], mem_pred),
-        ]
-        lines.append("  ".join(c.rjust(w) for c, (_, w) in zip(cells, cols, strict=True)))
+        rows.append(
+            [
+                str(st.index),
+                fmt_ranks(st.ranks),
+                _f(st.fwd_ms),
+                _f(got["fwd_ms"]),
+                _err(got["fwd_ms"], st.fwd_ms),
+                _f(bwd_pred) + ("*" if with_sync else ""),
+                _f(got["bwd_ms"]),
+                _err(got["bwd_ms"], bwd_pred),
+                _f(step_pred, 1),
+                _f(got["step_ms"], 1),
+                _err(got["step_ms"], step_pred),
+                _f(mem_pred / MIB, 1),
+                _f(got["peak_bytes"] / MIB, 1),
+                _err(got["peak_bytes"], mem_pred),
+            ]
+        )
+    # One header line and no rule: the table is read by programs too, column by column.
+    table = fold(_COLS, rows, width, rule=False, wrap_headers=False)
+    lines = [*wrap(title, width), *table.lines]
     sps_pred = plan.predicted.samples_per_s
-    lines.append(
+    tail = [
         f"step: predicted {_f(step_pred, 1)} ms, measured {_f(result.step_ms, 1)} ms "
         f"({_err(result.step_ms, step_pred)}); throughput predicted {_f(sps_pred, 0)}, "
         f"measured {_f(result.samples_per_s, 0)} samples/s ({_err(result.samples_per_s, sps_pred)})"
-    )
+    ]
+    if warm:
+        tail.append(f"step(s) {_span(warm)}: warm-up, not counted")
     if with_sync:
-        lines.append("* backward + DDP gradient all-reduce (1 micro-batch, dp > 1)")
+        tail.append("* backward + DDP gradient all-reduce (1 micro-batch, dp > 1)")
     elif skip:
-        lines.append("backward: all but the last micro-batch's (which also all-reduces, dp > 1)")
+        tail.append("backward: all but the last micro-batch's (which also all-reduces, dp > 1)")
     methods = sorted({r.memory_method for r in result.records})
-    lines.append(f"memory measured as: {'; '.join(methods)}")
+    tail.append(f"memory measured as: {'; '.join(methods)}")
+    tail.append(hidden_note(table.hidden, width, "the measured trace (--trace)"))
+    lines += [piece for line in tail if line for piece in wrap(line, width)]
     return "\n".join(lines)
+
+
+# The figures in groups of three (predicted, measured, error); on a narrow terminal the
+# step's go first (the same predicted step on every row), then the ranks, then memory.
+_COLS = [
+    Col("stage", right=True),
+    Col("ranks", right=True, drop=2),
+    *[
+        Col(name, right=True, drop=drop, long=f"{group} {name}" if name != head else "")
+        for group, head, drop in (
+            ("fwd", "fwd ms", 0),
+            ("bwd", "bwd ms", 0),
+            ("step", "step ms", 3),
+            ("mem", "mem MiB", 1),
+        )
+        for name in (head, "meas", "err")
+    ],
+]
+
+
+def _width() -> int:
+    tty = sys.stdout.isatty()
+    return output_width(tty, shutil.get_terminal_size().columns if tty else None)
 
 
 def _span(steps: list[int]) -> str:
