@@ -25,12 +25,23 @@ InfiniBand NDR. CPU processes talk over loopback. See the constants below.
 ``cluster_file.from_record`` reads it back. People write the form of
 :mod:`planner.devices.cluster_file`.
 
+Limits (:data:`MAX_DEVICES`, :data:`MEMORY_RANGE_BYTES`,
+:data:`BANDWIDTH_RANGE`, :data:`LATENCY_RANGE_S`): physically sensible ranges,
+checked by the constructor and, with the key path, by the cluster-file parser, so
+that no figure far outside them (1e300 GB/s, a 1e-300 GB/s link) reaches the
+cost model or the solver, where it would overflow or lose all precision.
+
+Cost: a cluster is immutable, so what reports and the search ask repeatedly
+(the record, the summary, per-node counts, node of each rank) is computed once;
+``allreduce_time`` is linear in its ranks with no per-hop Python work.
+
 Pure: no torch.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,14 +52,18 @@ from planner.plan.sections import ClusterRecord, DeviceGroup, LinkRecord, NodeRe
 from planner.plan.units import GIB
 
 __all__ = [
+    "BANDWIDTH_RANGE",
     "DEFAULT_INTER_NODE_BANDWIDTH",
     "DEFAULT_INTER_NODE_LATENCY_S",
     "DEFAULT_INTRA_NODE_LATENCY_S",
     "GLOO_ALLREDUCE_EFFICIENCY",
     "GPUS_PER_NODE",
+    "LATENCY_RANGE_S",
     "LINK_FIELDS",
     "LOOPBACK_BANDWIDTH",
     "LOOPBACK_LATENCY_S",
+    "MAX_DEVICES",
+    "MEMORY_RANGE_BYTES",
     "Cluster",
     "ClusterDevice",
 ]
@@ -76,6 +91,17 @@ LOOPBACK_LATENCY_S = 150e-6
 #: gloo's all-reduce reaches ~0.4 of its p2p bandwidth (measured 1.5–1.8 GB/s
 #: effective vs ~4 GB/s p2p on loopback); NCCL's ring runs at link speed.
 GLOO_ALLREDUCE_EFFICIENCY = 0.4
+
+#: The most devices one cluster may hold: 2^17 = 131,072, above the largest
+#: training clusters built (~100,000 GPUs). Plan a bigger one as identical parts.
+MAX_DEVICES = 131_072
+#: Memory per device, bytes: 1 MiB (a toy test device) to 1 PiB (≈ 7,000 H100s' worth).
+MEMORY_RANGE_BYTES = (2**20, 2**50)
+#: Bandwidth of a link, bytes/s per direction: 1 MB/s (a slow network) to 100 TB/s
+#: (≈ 100 × NVLink 5's 1.8 TB/s per GPU).
+BANDWIDTH_RANGE = (1e6, 1e14)
+#: Latency of one transfer, seconds: 0 (ideal) to 10 s (a satellite hop is 0.6 s).
+LATENCY_RANGE_S = (0.0, 10.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +160,12 @@ class Cluster:
         object.__setattr__(self, "devices", tuple(self.devices))
         if not self.devices:
             raise ValueError(f"cluster {self.name!r} has no devices; give it at least one")
+        if len(self.devices) > MAX_DEVICES:
+            raise ValueError(
+                f"cluster {self.name!r} has {len(self.devices):,} devices, more than the "
+                f"{MAX_DEVICES:,} a cluster may hold; plan a part of it (identical parts "
+                f"train alike)"
+            )
         for prev, d in zip((None, *self.devices), self.devices, strict=False):
             if prev is None:
                 want = (0, 0, 0)
@@ -159,12 +191,15 @@ class Cluster:
                 f"cluster {self.name!r}: backend {self.backend!r} does not fit its "
                 f"{kinds.pop()} devices; use {backend!r}"
             )
-        for field in ("intra_node_bandwidth", "inter_node_bandwidth"):
-            if not (math.isfinite(getattr(self, field)) and getattr(self, field) > 0):
-                raise ValueError(f"cluster {self.name!r}: {field} must be > 0 bytes/s")
-        for field in ("intra_node_latency_s", "inter_node_latency_s"):
-            if not (math.isfinite(getattr(self, field)) and getattr(self, field) >= 0):
-                raise ValueError(f"cluster {self.name!r}: {field} must be >= 0 seconds")
+        for field in LINK_FIELDS:
+            lo, hi = LATENCY_RANGE_S if field.endswith("_s") else BANDWIDTH_RANGE
+            unit = "seconds" if field.endswith("_s") else "bytes/s"
+            value = getattr(self, field)
+            if not lo <= value <= hi:  # also refuses nan
+                raise ValueError(
+                    f"cluster {self.name!r}: {field} is {value!r} {unit}, outside "
+                    f"{lo:g} .. {hi:g} {unit}; give the link's measured or datasheet figure"
+                )
 
     @property
     def n_devices(self) -> int:
@@ -174,15 +209,20 @@ class Cluster:
     def n_nodes(self) -> int:
         return self.devices[-1].node + 1
 
-    @property
+    # The cluster is immutable: what is asked repeatedly is computed once, on first
+    # use (functools.cached_property writes the instance's __dict__, which a frozen
+    # dataclass allows; dataclasses.replace builds a new instance, with no cache).
+
+    @functools.cached_property
     def device_types(self) -> tuple[str, ...]:
         """The catalogue keys present, sorted, each once."""
         return tuple(sorted({d.device.key for d in self.devices}))
 
-    @property
+    @functools.cached_property
     def homogeneous(self) -> bool:
         """True when every device is the same (type, memory and threads)."""
-        return len({(d.device, d.threads) for d in self.devices}) == 1
+        first = self.devices[0]
+        return all(d.device == first.device and d.threads == first.threads for d in self.devices)
 
     @property
     def cores_per_node(self) -> int:
@@ -193,28 +233,35 @@ class Cluster:
         return usable_cores()
 
     def devices_per_node(self) -> list[int]:
-        counts = [0] * self.n_nodes
-        for d in self.devices:
-            counts[d.node] += 1
-        return counts
+        """Devices in each node, in node order (a new list each call)."""
+        return list(self._per_node)
 
-    def _rank(self, rank: int) -> ClusterDevice:
-        if not 0 <= rank < self.n_devices:
+    @functools.cached_property
+    def _per_node(self) -> tuple[int, ...]:
+        return tuple(len(list(g)) for _, g in itertools.groupby(self._node_of))
+
+    @functools.cached_property
+    def _node_of(self) -> tuple[int, ...]:
+        """The node of each rank."""
+        return tuple(d.node for d in self.devices)
+
+    def _node(self, rank: int) -> int:
+        if not 0 <= rank < len(self.devices):
             raise ValueError(
                 f"rank {rank} is not in cluster {self.name!r}: it has {self.n_devices} "
                 f"devices, ranks 0..{self.n_devices - 1}"
             )
-        return self.devices[rank]
+        return self._node_of[rank]
 
     def bandwidth(self, a: int, b: int) -> float:
         """Bytes/s per direction from rank ``a`` to rank ``b`` (inf when a == b)."""
-        if self._rank(a).node != self._rank(b).node:
+        if self._node(a) != self._node(b):
             return self.inter_node_bandwidth
         return math.inf if a == b else self.intra_node_bandwidth
 
     def latency(self, a: int, b: int) -> float:
         """Seconds per transfer from rank ``a`` to rank ``b`` (0 when a == b)."""
-        if self._rank(a).node != self._rank(b).node:
+        if self._node(a) != self._node(b):
             return self.inter_node_latency_s
         return 0.0 if a == b else self.intra_node_latency_s
 
@@ -222,9 +269,9 @@ class Cluster:
         """Seconds to send ``nbytes`` from ``a`` to ``b``: latency + bytes / bandwidth."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        if self._rank(a) is self._rank(b):
-            return 0.0
-        return self.latency(a, b) + nbytes / self.bandwidth(a, b)
+        if self._node(a) != self._node(b):
+            return self.inter_node_latency_s + nbytes / self.inter_node_bandwidth
+        return 0.0 if a == b else self.intra_node_latency_s + nbytes / self.intra_node_bandwidth
 
     def allreduce_time(self, ranks: Sequence[int], nbytes: float) -> float:
         """Seconds for a ring all-reduce of ``nbytes`` over ``ranks``.
@@ -246,11 +293,19 @@ class Cluster:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         n = len(ring)
+        self._node(ring[0])
+        self._node(ring[-1])  # sorted: every rank is in range when both ends are
         if n == 1:
-            self._rank(ring[0])
             return 0.0
-        hops = zip(ring, ring[1:] + ring[:1], strict=True)
-        links = [(self.bandwidth(a, b), self.latency(a, b)) for a, b in hops]
+        # Ranks are numbered node by node, so in the sorted ring the ranks of one node
+        # sit together: a hop crosses nodes iff the ring spans more than one node, and
+        # a hop stays inside one iff some node holds two of the ranks.
+        nodes = len(set(map(self._node_of.__getitem__, ring)))
+        links = []
+        if nodes > 1:
+            links.append((self.inter_node_bandwidth, self.inter_node_latency_s))
+        if nodes < n:
+            links.append((self.intra_node_bandwidth, self.intra_node_latency_s))
         bw, lat = min(links, key=lambda link: (link[0], -link[1]))  # slowest, then laggiest
         if self.backend == "gloo":
             bw *= GLOO_ALLREDUCE_EFFICIENCY
@@ -260,35 +315,46 @@ class Cluster:
         """The plan file's exact form; ``cluster_file.from_record`` reads it back.
 
         Memory in bytes, bandwidth in bytes/s, latency in seconds; each node
-        lists runs of equal devices (type, count, memory_bytes, threads).
+        lists runs of equal devices (type, count, memory_bytes, threads). The
+        record is immutable and made once per cluster.
         """
-        nodes: list[list[DeviceGroup]] = [[] for _ in range(self.n_nodes)]
-        for d in self.devices:
-            groups = nodes[d.node]
-            one = DeviceGroup(
-                type=d.device.key, memory_bytes=d.device.memory_bytes, threads=d.threads
-            )
-            if groups and dataclasses.replace(groups[-1], count=1) == one:
-                groups[-1] = dataclasses.replace(groups[-1], count=groups[-1].count + 1)
-            else:
-                groups.append(one)
+        return self._record
+
+    @functools.cached_property
+    def _record(self) -> ClusterRecord:
+        def run(d: ClusterDevice) -> tuple[str, int, int]:
+            return d.device.key, d.device.memory_bytes, d.threads
+
+        nodes = []
+        for _, node in itertools.groupby(self.devices, key=lambda d: d.node):
+            groups = []
+            for (key, memory, threads), same in itertools.groupby(node, key=run):
+                count = sum(1 for _ in same)
+                groups.append(
+                    DeviceGroup(type=key, count=count, memory_bytes=memory, threads=threads)
+                )
+            nodes.append(NodeRecord(devices=tuple(groups)))
         return ClusterRecord(
             name=self.name,
             backend=self.backend,
-            nodes=tuple(NodeRecord(devices=tuple(groups)) for groups in nodes),
+            nodes=tuple(nodes),
             links=LinkRecord(**{f: getattr(self, f) for f in LINK_FIELDS}),
         )
 
     def describe(self) -> str:
-        """One line for reports.
+        """One line for reports (made once per cluster, linear in its devices).
 
         Example::
 
             >>> from_gpus(8, "a100").describe()
             '1 node × 8 a100-80gb (80.0 GiB), NVLink 300 GB/s inside'
         """
-        record = self.to_record()
-        layouts = [_node_summary(node) for node in record.nodes]
+        return self._summary
+
+    @functools.cached_property
+    def _summary(self) -> str:
+        summary = functools.cache(_node_summary)  # equal nodes are summed up once
+        layouts = [summary(node) for node in self._record.nodes]
         plural = "s" if self.n_nodes > 1 else ""
         if len(set(layouts)) == 1:
             text = f"{self.n_nodes} node{plural} × {layouts[0]}"
@@ -301,10 +367,11 @@ class Cluster:
         return text
 
     def _intra_label(self) -> str:
-        devices = {d.device for d in self.devices}
-        if any(dev.kind == "cpu" for dev in devices):
+        first = self.devices[0].device
+        if self.backend == "gloo":
             return "loopback "
-        if len(devices) == 1 and self.intra_node_bandwidth == devices.pop().nvlink_bandwidth / 2:
+        alike = all(d.device == first for d in self.devices)
+        if alike and self.intra_node_bandwidth == first.nvlink_bandwidth / 2:
             return "NVLink "
         if self.intra_node_bandwidth == min(d.device.pcie_bandwidth for d in self.devices) / 2:
             return "PCIe "

@@ -233,7 +233,22 @@ def test_constructor_checks_layout_and_backend():
         Cluster(name="x", devices=tuple(bad), backend="nccl", **links)
     with pytest.raises(ValueError, match="use 'nccl'"):
         Cluster(name="x", devices=tuple(ok), backend="gloo", **links)
-    with pytest.raises(ValueError, match="intra_node_bandwidth must be > 0"):
-        Cluster(name="x", devices=tuple(ok), backend="nccl", **{**links, "intra_node_bandwidth": 0})
+    for field, value, match in [
+        (
+            "intra_node_bandwidth",
+            0,
+            r"intra_node_bandwidth is 0 bytes/s, outside 1e\+06 \.\. 1e\+14",
+        ),
+        ("inter_node_bandwidth", 1e300, r"inter_node_bandwidth is 1e\+300 bytes/s, outside"),
+        ("inter_node_bandwidth", float("nan"), r"inter_node_bandwidth is nan bytes/s"),
+        (
+            "intra_node_latency_s",
+            -1e-6,
+            r"intra_node_latency_s is -1e-06 seconds, outside 0 \.\. 10",
+        ),
+        ("inter_node_latency_s", 1e300, r"inter_node_latency_s is 1e\+300 seconds"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            Cluster(name="x", devices=tuple(ok), backend="nccl", **{**links, field: value})
     with pytest.raises(ValueError, match="0 for a GPU"):
         ClusterDevice(rank=0, node=0, local_index=0, device=h100, threads=2)
