@@ -11,7 +11,10 @@ figure is for one micro-batch of ``ModelProfile.batch_size`` samples.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from planner.plan.codec import Record
 
@@ -153,3 +156,34 @@ class ModelProfile(Record):
     @property
     def param_bytes(self) -> int:
         return sum(b.param_bytes for b in self.blocks)
+
+    def check_figures(self, path: str = "profile") -> None:
+        """Every number in the profile is finite and ≥ 0 (times, sizes, counts, indices).
+
+        The codec checks types only; a NaN or negative time (a cache entry edited by
+        hand, or damaged) would price every stage wrongly without a word.
+
+        Example::
+
+            prof.check_figures("profile-0abc.json")
+            # ValueError: profile-0abc.json.blocks[3].fwd_ms is nan, not a finite number ≥ 0
+
+        Raises:
+            ValueError: the first number that is not, with its key path.
+        """
+        _check_figures(self, path)
+
+
+def _check_figures(value: Any, path: str) -> None:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _check_figures(getattr(value, f.name), f"{path}.{f.name}")
+    elif isinstance(value, (tuple, list)):
+        for k, item in enumerate(value):
+            _check_figures(item, f"{path}[{k}]")
+    elif _number(value) and not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{path} is {value!r}, not a finite number ≥ 0")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
