@@ -45,6 +45,11 @@ def _damaged(entry: dict[str, Any], damage: Callable[[dict[str, Any]], object]) 
     return json.dumps(data)
 
 
+def _emptied(data: dict[str, Any]) -> None:
+    data.clear()
+    data["_format"] = 1
+
+
 DAMAGE: list[tuple[Callable[[dict[str, Any]], object], str]] = [
     (lambda d: d.update(blocks="none"), "blocks: expected a list of a mapping, got str 'none'"),
     (
@@ -55,7 +60,7 @@ DAMAGE: list[tuple[Callable[[dict[str, Any]], object], str]] = [
     (lambda d: d["blocks"][1].update(bwd_ms=float("nan")), "blocks[1].bwd_ms is nan, not a"),
     (lambda d: d["blocks"][0].update(fwd_ms=-3.5), "blocks[0].fwd_ms is -3.5, not a finite"),
     (lambda d: d.update(loss_fwd_ms=float("inf")), "loss_fwd_ms is inf, not a finite number"),
-    (lambda d: d.clear() or d.update(_format=1), "holds neither a profile nor the local CPU"),
+    (_emptied, "holds neither a profile nor the local CPU"),
 ]
 
 
