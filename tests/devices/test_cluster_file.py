@@ -117,19 +117,26 @@ def test_record_errors_name_the_key_path(change, match):
         ),
         (
             "nodes: [{type: h100, memory_gib: 0}]",
-            r"cluster\.nodes\[0\]\.memory_gib: must be a positive number, got 0",
+            r"cluster\.nodes\[0\]\.memory_gib: 0 GiB is out of range: memory per device must "
+            r"lie in 0\.0009765625 \.\. 1048576 GiB \(1 MiB \.\. 1 PiB\); give the datasheet",
         ),
         (
             "nodes: [{type: h100}]\nlinks: {intra_node_gbs: -5}",
-            r"cluster\.links\.intra_node_gbs: must be a positive number, got -5",
+            r"cluster\.links\.intra_node_gbs: -5 GB/s is out of range: a link's bandwidth must "
+            r"lie in 0\.001 \.\. 100000 GB/s \(1 MB/s \.\. 100 TB/s\)",
         ),
         (
             "nodes: [{type: h100}]\nlinks: {inter_node_gbs: 0}",
-            r"cluster\.links\.inter_node_gbs: must be a positive number",
+            r"cluster\.links\.inter_node_gbs: 0 GB/s is out of range",
         ),
         (
             "nodes: [{type: h100}]\nlinks: {inter_node_latency_us: -1}",
-            r"cluster\.links\.inter_node_latency_us: must be a number >= 0",
+            r"cluster\.links\.inter_node_latency_us: -1 µs is out of range: a link's latency "
+            r"must lie in 0 \.\. 10000000 µs \(0 \.\. 10 s\)",
+        ),
+        (
+            "nodes: [{type: h100}]\nlinks: {inter_node_gbs: fast}",
+            r"cluster\.links\.inter_node_gbs: str 'fast' is out of range",
         ),
         (
             "nodes: [{type: h100}]\nlinks: {intra_node_gbps: 5}",
@@ -184,3 +191,136 @@ def test_cpu_nodes_split_ram_and_cores_by_default():
     assert c.backend == "gloo" and c.devices_per_node() == [1, 1]
     assert c.inter_node_bandwidth == 1.25e9
     assert all(d.threads == 1 and d.device.memory_bytes == 2 * GIB for d in c.devices)
+
+
+# --- ranges: sizes, counts and threads bounded, with the key path --------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        # issue 15: 1e+300 overflowed into an OverflowError; 1e-300 and 1e+300 on links
+        # reached the solver as coefficients near 1e290.
+        (
+            "nodes: [{devices: [{type: h100, memory_gib: 1.0e+300}]}]",
+            r"cluster\.nodes\[0\]\.devices\[0\]\.memory_gib: 1e\+300 GiB is out of range: "
+            r"memory per device must lie in 0\.0009765625 \.\. 1048576 GiB",
+        ),
+        (
+            "nodes: [{type: h100, memory_gib: 1.0e-300}]",
+            r"memory_gib: 1e-300 GiB is out of range",
+        ),
+        (
+            "nodes: [{type: h100, memory_gib: " + "9" * 400 + "}]",  # an int no float holds
+            r"memory_gib: 9{400} GiB is out of range",
+        ),
+        ("nodes: [{type: h100, memory_gib: .nan}]", r"memory_gib: nan GiB is out of range"),
+        (
+            "nodes: [{type: h100}]\nlinks: {intra_node_gbs: 1.0e+300}",
+            r"cluster\.links\.intra_node_gbs: 1e\+300 GB/s is out of range: a link's bandwidth "
+            r"must lie in 0\.001 \.\. 100000 GB/s",
+        ),
+        (
+            "nodes: [{type: h100}]\nlinks: {inter_node_gbs: 1.0e-300}",
+            r"cluster\.links\.inter_node_gbs: 1e-300 GB/s is out of range",
+        ),
+        (
+            "nodes: [{type: h100}]\nlinks: {intra_node_latency_us: 1.0e+300}",
+            r"cluster\.links\.intra_node_latency_us: 1e\+300 µs is out of range",
+        ),
+        (
+            "nodes: [{type: h100}]\nlinks: {intra_node_latency_us: .inf}",
+            r"intra_node_latency_us: inf µs is out of range",
+        ),
+        # YAML 1.1 reads 1.0e300 (no sign in the exponent) and 1e3 (no dot) as text.
+        (
+            "nodes: [{type: h100, memory_gib: 1.0e300}]",
+            r"memory_gib: '1\.0e300' is text, not a number: YAML 1\.1 reads a number with an "
+            r"exponent only with a dot and a signed exponent; write 1\.0e\+300 \(memory per",
+        ),
+        ("nodes: [{type: h100}]\nlinks: {inter_node_gbs: 5e1}", r"'5e1' is text.*write 5\.0e\+1"),
+        ("nodes: [{type: h100}]\nlinks: {inter_node_gbs: -.5E-3}", r"write -0\.5e-3"),
+        # Counts: at least 1, and at most 131,072 devices in all, refused before any list.
+        (
+            "nodes: [{type: h100, count: 1000000000}]",
+            r"cluster\.nodes\[0\]\.count: 1,000,000,000 is more than the 131,072 devices a "
+            r"cluster may hold; plan a part of the cluster",
+        ),
+        (
+            "nodes: [{type: h100, count: 8, repeat: 100000}]",
+            r"cluster\.nodes\[0\]: brings the cluster to 800,000 devices \(100,000 node\(s\) of "
+            r"8 here\), more than the 131,072 a cluster may hold",
+        ),
+        (
+            "nodes: [{type: h100, count: 65536}, {devices: [{type: h100, count: 65536}, "
+            "{type: l4}]}]",
+            r"cluster\.nodes\[1\]: brings the cluster to 131,073 devices \(1 node\(s\) of 65,537",
+        ),
+        ("nodes: [{type: h100, repeat: 0}]", r"cluster\.nodes\[0\]\.repeat: must be a whole"),
+        # Threads for a local CPU device: at most this machine's cores.
+        (
+            "nodes: [{type: cpu, threads: 1000000000}]",
+            rf"cluster\.nodes\[0\]\.threads: 1,000,000,000 threads is more than the "
+            rf"{len(os.sched_getaffinity(0))} core\(s\) this process may use "
+            rf"\(os\.sched_getaffinity\).*give at most {len(os.sched_getaffinity(0))}",
+        ),
+        ("nodes: [{type: cpu, threads: 0}]", r"threads: must be a whole number >= 1, got 0"),
+    ],
+)
+def test_out_of_range_values_are_refused_with_the_range(tmp_path, text, match):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_cluster(path)
+
+
+def test_the_range_ends_are_accepted():
+    c = parse_cluster(
+        {
+            "nodes": [
+                {"type": "h100", "memory_gib": 2**-10},
+                {"type": "h100", "memory_gib": 2**20},
+            ],
+            "links": {
+                "intra_node_gbs": 1e5,
+                "inter_node_gbs": 1e-3,
+                "intra_node_latency_us": 0,
+                "inter_node_latency_us": 1e7,
+            },
+        }
+    )
+    assert [d.device.memory_bytes for d in c.devices] == [2**20, 2**50]
+    assert (c.intra_node_bandwidth, c.inter_node_bandwidth) == (1e14, 1e6)
+    assert (c.intra_node_latency_s, c.inter_node_latency_s) == (0.0, 10.0)
+    assert (
+        parse_cluster({"nodes": [{"type": "l4", "count": 2**16, "repeat": 2}]}).n_devices == 2**17
+    )
+    cores = len(os.sched_getaffinity(0))
+    assert parse_cluster({"nodes": [{"type": "cpu", "threads": cores}]}).devices[0].threads == cores
+
+
+def test_plan_records_are_held_to_the_same_ranges():
+    data = encode(from_gpus(2, "h100").to_record())
+    data["links"]["inter_node_bandwidth"] = 1e-300
+    with pytest.raises(
+        ValueError,
+        match=r"cluster\.links\.inter_node_bandwidth: 1e-300 bytes/s is out of range: a link's "
+        r"bandwidth must lie in 1000000 \.\. 1e\+14 bytes/s",
+    ):
+        from_record(data)
+    data = encode(from_gpus(2, "cpu").to_record())
+    data["nodes"][0]["devices"][0]["threads"] = 10**9
+    with pytest.raises(
+        ValueError,
+        match=r"devices\[0\]\.threads: 1,000,000,000 threads is more "
+        r"than the cap of 1024",
+    ):
+        from_record(data)
+
+
+def test_equal_nodes_share_one_device_record():
+    c = parse_cluster(
+        {"nodes": [{"type": "h100", "memory_gib": 70, "repeat": 3}, {"type": "h100"}]}
+    )
+    assert c.devices[0].device is c.devices[2].device
+    assert c.devices[3].device.memory_bytes != 70 * GIB
