@@ -16,6 +16,8 @@ from planner.devices.cluster import (
     GPUS_PER_NODE,
     LOOPBACK_BANDWIDTH,
     LOOPBACK_LATENCY_S,
+    MAX_DEVICES,
+    MEMORY_RANGE_BYTES,
     Cluster,
     ClusterDevice,
 )
@@ -61,8 +63,17 @@ def from_gpus(
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"--gpus must be a positive whole number of devices, got {n!r}")
-    if memory_gib is not None and not memory_gib > 0:
-        raise ValueError(f"memory_gib must be a positive number of GiB, got {memory_gib!r}")
+    if n > MAX_DEVICES:  # refused before a list of n devices is built
+        raise ValueError(
+            f"--gpus {n:,} is more than the {MAX_DEVICES:,} devices a cluster may hold; "
+            f"plan a part of the cluster (identical parts train alike)"
+        )
+    lo, hi = (b / GIB for b in MEMORY_RANGE_BYTES)
+    if memory_gib is not None and not lo <= memory_gib <= hi:
+        raise ValueError(
+            f"memory_gib must be a positive number of GiB in {lo:.10g} .. {hi:.10g} "
+            f"(1 MiB .. 1 PiB), got {memory_gib!r}"
+        )
     device = (
         local_accelerator()
         if device_type is None

@@ -106,6 +106,8 @@ def test_from_gpus_cpu_by_name_and_memory_override():
         ((2.5, "h100"), {}, "positive whole number"),
         ((2, "h1000"), {}, "unknown device type 'h1000'.*did you mean 'h100'"),
         ((2, "h100"), {"memory_gib": 0}, "memory_gib must be a positive"),
+        ((2, "h100"), {"memory_gib": 1e300}, r"in 0\.0009765625 \.\. 1048576 \(1 MiB"),
+        ((10**9, "h100"), {}, "--gpus 1,000,000,000 is more than the 131,072 devices"),
     ],
 )
 def test_from_gpus_errors(args, kwargs, match):
