@@ -10,6 +10,9 @@ codec (:mod:`planner.plan.codec`) turns each to plain data and back.
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -102,14 +105,20 @@ class ClusterRecord(Record):
     links: LinkRecord
 
     def device(self, rank: int) -> DeviceGroup | None:
-        """The group that global ``rank`` belongs to (None beyond the last device)."""
-        k = 0
-        for node in self.nodes:
-            for group in node.devices:
-                if rank < k + group.count:
-                    return group
-                k += group.count
-        return None
+        """The group that global ``rank`` belongs to (None beyond the last device).
+
+        A binary search over the groups' first ranks (made once): asked for every
+        rank of a large cluster, it stays O(log groups) per rank.
+        """
+        starts, groups = self._starts
+        i = bisect.bisect_right(starts, rank) - 1
+        return groups[i] if 0 <= rank < starts[-1] and i < len(groups) else None
+
+    @functools.cached_property
+    def _starts(self) -> tuple[list[int], list[DeviceGroup]]:
+        """The first rank of each group, then the total; and the groups, in rank order."""
+        groups = [g for node in self.nodes for g in node.devices]
+        return [0, *itertools.accumulate(g.count for g in groups)], groups
 
 
 # --------------------------------------------------------------------------- the step

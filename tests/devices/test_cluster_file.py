@@ -324,3 +324,17 @@ def test_equal_nodes_share_one_device_record():
     )
     assert c.devices[0].device is c.devices[2].device
     assert c.devices[3].device.memory_bytes != 70 * GIB
+
+
+def test_record_finds_the_group_of_every_rank():
+    c = parse_cluster(
+        {
+            "nodes": [
+                {"devices": [{"type": "h100", "count": 2}, {"type": "l4"}]},
+                {"type": "v100", "count": 3, "repeat": 2},
+            ]
+        }
+    )
+    record = c.to_record()
+    assert [record.device(d.rank).type for d in c.devices] == [d.device.key for d in c.devices]
+    assert record.device(c.n_devices) is None and record.device(-1) is None
