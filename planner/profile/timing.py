@@ -39,8 +39,11 @@ __all__ = [
     "measure_blocks",
 ]
 
-Progress = Callable[[str, int, int], None]
-"""progress(phase, done, total): called as profiling advances."""
+Progress = Callable[[str, int, int, str], None]
+"""``progress(phase, done, total, note)``: called as planning advances. ``phase`` labels
+one phase (a new label begins the next), ``done`` of ``total`` units (``total`` fixed for
+the phase; 0 when its size is not known), ``note`` a short status ("" for none). Drawn by
+:func:`planner.report.progress.progress_bar`."""
 
 MIN_MEASURE_S = 1.0
 """Timed rounds continue until they add up to this many seconds (see adaptive repeats)."""
@@ -86,7 +89,9 @@ def measure_blocks(
     """
     rounds = _Rounds(model, cap, runners, targets, loss_fn, progress)
     load = RoundLoad()
-    planned = options.warmup + options.repeats
+    # The progress total is fixed up front: the most rounds the loop below may run. It
+    # usually stops earlier (enough quiet rounds), and the phase then ends at once.
+    most = options.warmup + max(MAX_REPEATS, options.repeats)
     started: float | None = None
     r = 0
     while True:
@@ -100,12 +105,14 @@ def measure_blocks(
             enough = spent >= MIN_MEASURE_S and load.quiet() >= options.repeats
             if enough or kept >= max(MAX_REPEATS, options.repeats) or spent >= MAX_MEASURE_S:
                 break
-            planned = r + 1
-        rounds.run(r, planned, keep)
+        rounds.run(r, most, keep)
         if keep:
             load.round_done()
         r += 1
     use = load.selection()
+    if progress is not None:
+        total = most * (len(runners) + 1)
+        progress(rounds.phase, total, total, f"{r} rounds, {len(use)} kept")
 
     def med(xs: list[float]) -> float:
         return statistics.median(xs[i] for i in use)
@@ -144,9 +151,11 @@ class _Rounds:
         self.whole_b: list[float] = []
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.whole_grads: list[torch.Tensor] | None = None
+        self.phase = f"timing {n} blocks"
 
-    def run(self, r: int, planned: int, keep: bool) -> None:
-        n, progress = len(self.runners), self.progress
+    def run(self, r: int, most: int, keep: bool) -> None:
+        """Round ``r`` (of at most ``most``); the progress counts blocks run."""
+        n = len(self.runners)
         for k, runner in enumerate(self.runners):
             t0 = time.perf_counter()
             outs = runner.forward()
@@ -157,11 +166,14 @@ class _Rounds:
             if keep:
                 self.fwd[k].append((t1 - t0) * 1e3)
                 self.bwd[k].append((t2 - t1) * 1e3)
-            if progress is not None:
-                progress("blocks", r * (n + 1) + k + 1, planned * (n + 1))
+            self._tick(r * (n + 1) + k + 1, most * (n + 1), r)
         self._whole(keep)
-        if progress is not None:
-            progress("blocks", (r + 1) * (n + 1), planned * (n + 1))
+        self._tick((r + 1) * (n + 1), most * (n + 1), r)
+
+    def _tick(self, done: int, total: int, r: int) -> None:
+        # One short of the total at most: measure_blocks ends the phase when it stops.
+        if self.progress is not None:
+            self.progress(self.phase, min(done, total - 1), total, f"round {r + 1}")
 
     def _whole(self, keep: bool) -> None:
         """The whole model, unsplit, and the loss on its output."""
