@@ -32,20 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 from planner.plan.schema import Plan
 from planner.plan.text import first_line
-from runtime.checkpoint.safeload import (
-    Refused,
-    SafeLoadPlanner,
-    SafeReader,
-    read_metadata,
-    refusal,
-    refused_message,
-)
+from runtime.checkpoint.safeload import CheckpointRefused, load_state
 from runtime.checkpoint.store import (
     OPTIM_OPTIONS,
     STRUCTURAL,
@@ -85,7 +77,9 @@ def load(pmodel: ParallelModel, path: str | os.PathLike[str], *, reshard: bool =
     Raises:
         ValueError: the folder is not a complete checkpoint; it was saved for
             another model; or for another layout and ``reshard`` is False;
-            or (resharding) this layout needs a parameter the checkpoint lacks.
+            or (resharding) this layout needs a parameter the checkpoint lacks;
+            or (``CheckpointRefused``) it holds code, or its index points outside
+            its folder, at something not a regular file, or past a file's end.
             Raised on every rank with the same message, before anything is read.
     """
     path = Path(path)
@@ -96,19 +90,14 @@ def load(pmodel: ParallelModel, path: str | os.PathLike[str], *, reshard: bool =
             "latest_complete(directory), which skips incomplete checkpoints"
         )
     differ = _refusal_or_differences(path, read_marker(path), pmodel.plan, reshard)
-    try:
-        metadata = read_metadata(path)
-    except Refused as exc:
-        raise ValueError(refused_message(path, str(exc))) from None
     state = rank_state(pmodel, 0)
     if differ:
         del state["rng"]
     try:
-        dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
+        load_state(path, state)
+    except CheckpointRefused:  # crafted or damaged: the message says what to do
+        raise
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-        refused = refusal(exc)
-        if refused is not None:
-            raise ValueError(refused_message(path, refused)) from exc
         if not differ:
             raise
         raise ValueError(

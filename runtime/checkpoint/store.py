@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from planner.plan.files import atomic_write
 from planner.plan.schema import Plan
+from runtime.checkpoint.files import MAX_MARKER_BYTES, Malformed, Missing, regular_file_in
 from runtime.checkpoint.safeload import METADATA
 
 if TYPE_CHECKING:
@@ -142,9 +143,11 @@ def incomplete_reason(path: str | os.PathLike[str], step: int | None = None) -> 
         return f"its {COMPLETE} marker lists no files (or not DCP's {METADATA})"
     for name, size in sorted(files.items()):
         try:
-            have = (path / name).stat().st_size
-        except OSError:
+            have = regular_file_in(path, name)[1]
+        except Missing:
             return f"{name} is missing (the {COMPLETE} marker lists it)"
+        except Malformed as exc:
+            return f"its {COMPLETE} marker is not this runtime's: {exc}"
         if have != size:
             return (
                 f"{name} has {have} bytes, its save wrote {size} (cut short, or overwritten "
@@ -155,13 +158,18 @@ def incomplete_reason(path: str | os.PathLike[str], step: int | None = None) -> 
 
 def _load_marker(path: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, str]:
     """(the marker, "") or (None, why there is no valid one)."""
-    marker = Path(path) / COMPLETE
     try:
-        data = json.loads(marker.read_text())
-    except FileNotFoundError:
+        marker, size = regular_file_in(
+            Path(path), COMPLETE, max_bytes=MAX_MARKER_BYTES, who="the marker is"
+        )
+        with open(marker, "rb") as f:
+            data = json.loads(f.read(size + 1))
+    except Missing:
         return None, f"it has no {COMPLETE} marker (its save did not finish)"
-    except (OSError, ValueError) as exc:
-        return None, f"its {COMPLETE} marker is unreadable ({exc})"
+    except Malformed as exc:
+        return None, f"its {COMPLETE} marker is refused: {exc}"
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        return None, f"its {COMPLETE} marker is unreadable ({type(exc).__name__}: {exc})"
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
         return None, (

@@ -320,7 +320,7 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_and_nothing_runs(
     assert "holds a pickled object, not data (Unsupported global: GLOBAL exec " in entry, entry
     assert "refused: its .metadata names builtins.exec, which is not DCP metadata" in index, index
     for msg in (entry, index):
-        assert "torch.load(weights_only=True)" in msg and "fix: load only checkpoints" in msg
+        assert "torch.load(weights_only=True)" in msg and "fix: do not load this checkpoint" in msg
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)

@@ -2,8 +2,10 @@
 
 DCP writes and reads here without a process group. A real index and the
 optimizer's hyper-parameters load through the safe readers; an index holding
-any other pickled object is refused before it is built; and a folder is
-complete only with its marker and every file the marker lists, at its size.
+any other pickled object, or setting what DCP's records never set, is refused
+before it is built; and a folder is complete only with its marker and every
+file the marker lists, at its size. (The crafted folders of the bad-input
+matrix: tests/bad_inputs/test_bad_checkpoints.py.)
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def _save(state: dict[str, Any], path: Path) -> None:
 def test_a_dcp_checkpoint_loads_through_the_safe_readers(tmp_path: Path) -> None:
     saved = _state()
     _save(saved, tmp_path)
-    got = {"model": {k: torch.zeros_like(v) for k, v in saved["model"].items()}, "optim": {}}
+    got: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in saved["model"].items()}}
     got["optim"] = dict.fromkeys(saved["optim"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -71,6 +73,28 @@ def test_an_index_holding_another_object_is_refused_before_it_runs(tmp_path: Pat
     assert not ran.exists()
     (tmp_path / ".metadata").write_bytes(pickle.dumps({"a": 1}))  # data, but not an index
     with pytest.raises(Refused, match="holds a dict, not DCP's Metadata"):
+        read_metadata(tmp_path)
+
+
+def test_an_index_may_set_only_the_fields_of_dcps_records(tmp_path: Path) -> None:
+    # MetadataIndex.__new__(MetadataIndex), then BUILD (None, {"__class__": PosixPath}).
+    crafted = pickle.PROTO + b"\x02" + pickle.GLOBAL
+    crafted += b"torch.distributed.checkpoint.metadata\nMetadataIndex\n"
+    crafted += pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.NONE + pickle.EMPTY_DICT
+    crafted += pickle.SHORT_BINUNICODE + b"\x09__class__" + pickle.GLOBAL + b"pathlib\nPosixPath\n"
+    crafted += pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD + pickle.STOP
+    (tmp_path / ".metadata").write_bytes(crafted)
+    with pytest.raises(
+        Refused, match=r"sets special attributes of a torch\.distributed\.checkpoint\.metadata"
+    ):
+        read_metadata(tmp_path)
+    fields = pickle.PROTO + b"\x02" + pickle.GLOBAL
+    fields += b"torch.distributed.checkpoint.metadata\nMetadataIndex\n"
+    fields += pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT
+    fields += pickle.SHORT_BINUNICODE + b"\x03fqn" + pickle.SHORT_BINUNICODE + b"\x01w"
+    fields += pickle.SETITEM + pickle.BUILD + pickle.STOP
+    (tmp_path / ".metadata").write_bytes(fields)  # a field, set: built, but not an index
+    with pytest.raises(Refused, match="holds a MetadataIndex, not DCP's Metadata"):
         read_metadata(tmp_path)
 
 
