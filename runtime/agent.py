@@ -53,6 +53,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     elastic_api._terminate_process_handler = _quiet_stop  # torchrun installs it at each start
     register_backend()
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # [Note: launch progress] Between the launch line and the first step, a job spends
+    # seconds on imports (here, then in each worker), the model's build, the rendezvous
+    # and the stages' tracing: one line each says which (the workers' from rank 0).
+    started = f"starting {args.nproc_per_node} worker(s) on this machine"
+    print(f"planner run: {started}", file=sys.stderr, flush=True)
     try:
         run(args)
     except SignalException as exc:  # stopped on purpose: the launcher says so, in one line

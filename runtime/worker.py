@@ -150,12 +150,20 @@ def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, 
     if threads and not torch.cuda.is_available():
         torch.set_num_threads(threads)  # as the plan measured this device
     torch.manual_seed(opts.seed)  # the same initial weights on every rank
+    # What the job is doing until it trains, one line per phase ([Note: launch progress]).
+    lead = int(os.environ.get("RANK", "0")) == 0
+    _say(lead, f"workers started; building the model ({opts.model_file})")
     with meta_parameters() if opts.init_from else contextlib.nullcontext():
         model = mf.build()  # --init-from: no storage here; the stage's comes from the file
     replica = replica_of(plan, int(os.environ.get("RANK", "0")))
     feed = Feed.of(mf, plan, replica=replica, seed=opts.seed)
     first = feed.batch(0)  # this replica's: traces the stage, then trains step 1
     kind = opts.optimizer or plan.optimizer
+    _say(
+        lead,
+        f"rendezvous of {plan.world_size} workers, then each builds its stage "
+        f"(of {plan.pp}: traced and split)",
+    )
     pm = ParallelModel.from_plan(
         model,
         plan,
@@ -186,6 +194,8 @@ def _loop(
     every = opts.checkpoint_every
     for step in range(start, opts.steps):
         Where.where = f"at step {step + 1}"
+        if step == start:
+            _say(lead, f"warming up: step {step + 1} makes the first allocations and lazy set-up")
         batch = feed.batch(step)
         seed_step(pm, step, opts.seed)
         loss = pm.step(_inputs(batch), batch.targets)
