@@ -200,12 +200,31 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def _plan_with(ns: argparse.Namespace) -> int:
+    from planner.plan.files import save_plan
+    from planner.report.progress import progress_bar
+
+    started = time.perf_counter()
+    with progress_bar() as progress:  # closed before the report is printed
+        plan = _planned(ns, progress)
+    _print_report(plan)
+    path = save_plan(plan, ns.out)
+    # Wall-clock times are printed, never saved: [Note: reproducible plan files].
+    took = f"planning took {time.perf_counter() - started:.1f} s"
+    if plan.solver.solve_s is not None:
+        took += f", the chosen placement's solve {plan.solver.solve_s:.2f} s"
+    print(f"plan written to {path} ({took})")
+    _write_extras(plan, ns)
+    return 0
+
+
+def _planned(ns: argparse.Namespace, progress: Any) -> Plan:
+    """The plan ``planner plan`` asks for; each phase reported to ``progress``."""
+    if progress is not None:  # seconds of imports (torch) and the model file's own
+        progress(f"loading torch and {ns.model_file}", 0, 0, "")
     from planner.devices.build import from_gpus
     from planner.devices.cluster_file import load_cluster
-    from planner.plan.files import save_plan
     from planner.plan.modelfile import load_model_file
     from planner.planning import plan_model
-    from planner.report.progress import progress_bar
 
     if ns.cluster:
         cluster = load_cluster(ns.cluster)
@@ -219,32 +238,23 @@ def _plan_with(ns: argparse.Namespace) -> int:
         search=from_namespace(SearchOptions, ns),
         profile=from_namespace(ProfileOptions, ns),
     )
+    if progress is not None:
+        progress("building the model", 0, 0, "")
     model = mf.build()
 
     def sampler(b: int) -> tuple[Any, Any, Any]:
         bt = mf.sample(b)
         return bt.args, bt.kwargs, bt.targets
 
-    started = time.perf_counter()
-    with progress_bar() as progress:
-        plan = plan_model(
-            model,
-            sampler,
-            cluster=cluster,
-            loss_fn=mf.loss,
-            options=options,
-            model_file=str(ns.model_file),
-            progress=progress,
-        )
-    _print_report(plan)
-    path = save_plan(plan, ns.out)
-    # Wall-clock times are printed, never saved: [Note: reproducible plan files].
-    took = f"planning took {time.perf_counter() - started:.1f} s"
-    if plan.solver.solve_s is not None:
-        took += f", the chosen placement's solve {plan.solver.solve_s:.2f} s"
-    print(f"plan written to {path} ({took})")
-    _write_extras(plan, ns)
-    return 0
+    return plan_model(
+        model,
+        sampler,
+        cluster=cluster,
+        loss_fn=mf.loss,
+        options=options,
+        model_file=str(ns.model_file),
+        progress=progress,
+    )
 
 
 def _check_writable(flag: str, value: str | None) -> None:
@@ -274,8 +284,11 @@ def _cmd_show(ns: argparse.Namespace) -> int:
 
 
 def _console() -> Console:
-    """A rich console; wide when the output is a file or pipe (tables stay readable)."""
-    return Console(width=None if sys.stdout.isatty() else 150)
+    """A rich console: the terminal's width, or to a file or pipe ``COLUMNS`` (default
+    100); the tables fold to it (``planner.report.fold``)."""
+    from planner.report.fold import output_width
+
+    return Console(width=None if sys.stdout.isatty() else output_width(False))
 
 
 def _print_report(plan: Plan) -> None:
@@ -309,6 +322,8 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
     model = mf.build()
     batch = mf.sample(batch_size)
     with progress_bar(enabled=not ns.json) as progress:
+        if progress is not None:  # until the timing starts (or the priced profile is done)
+            progress(f"tracing the model at micro-batch {batch_size}", 0, 0, "")
         prof = profile_model(
             model,
             batch.args,

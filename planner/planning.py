@@ -32,6 +32,7 @@ from planner.plan.sections import (
     TrainingPlan,
 )
 from planner.profile.sizes import Sampler, SizedProfiles
+from planner.profile.timing import Progress
 from planner.search.configurations import configurations
 from planner.search.loop import SearchResult, search
 from planner.solve.partition import check_solver
@@ -50,7 +51,7 @@ def plan_model(
     options: PlanOptions | None = None,
     global_batch: int | None = None,
     model_file: str | None = None,
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> Plan:
     """Plan ``model`` on ``cluster``.
 
@@ -71,7 +72,9 @@ def plan_model(
         global_batch: the batch per step when ``options`` is not given
             (default: the sample's batch size).
         model_file: recorded in the plan, for people.
-        progress: progress callback.
+        progress: called as each phase advances: tracing, timing the blocks at
+            each anchor micro-batch size, the search (see
+            ``planner.report.progress``: ``progress(phase, done, total, note)``).
 
     Raises:
         ValueError: no configuration is possible or fits (the message says why,
@@ -105,6 +108,7 @@ def plan_model(
                 options.search,
                 n_blocks=len(base.blocks),
                 block_names=names,
+                progress=progress,
             )
         except ValueError as exc:
             _explain_excluded(exc, base)

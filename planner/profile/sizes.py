@@ -180,6 +180,7 @@ class SizedProfiles:
             threads=(threads if local else None) or self.options.threads,
             split_points=self.split_points,
         )
+        progress = self._phases(device, b, threads or 0)
         try:
             prof = profile_model(
                 self.model,
@@ -188,7 +189,7 @@ class SizedProfiles:
                 targets=targets,
                 loss_fn=self.loss_fn,
                 options=opts,
-                progress=self.progress,
+                progress=progress,
             )
         except CaptureError as exc:
             if b == max(self.sizes):
@@ -197,6 +198,27 @@ class SizedProfiles:
         if self.split_points is None:
             self.split_points = tuple(b.name for b in prof.blocks)
         return prof
+
+    def _phases(self, device: str, b: int, threads: int) -> Progress | None:
+        """The progress callback for one anchor's profile: a phase "tracing" begun now
+        (until the timing starts, or the priced profile is done), and the timing's phases
+        named after the anchor ("timing 37 blocks at micro-batch 8 (1 of 2)")."""
+        report = self.progress
+        if report is None:
+            return None
+        anchors = self.anchor_sizes()
+        at = f"micro-batch {b}"
+        if b in anchors and len(anchors) > 1:
+            at += f" ({anchors.index(b) + 1} of {len(anchors)})"
+        plural = "s" if threads != 1 else ""
+        at += f", {threads} thread{plural}" if device == "cpu" and threads else f" for {device}"
+        first = "tracing" if device == "cpu" else "tracing and pricing"
+        report(f"{first} the model at {at}", 0, 0, "")
+
+        def labelled(phase: str, done: int, total: int, note: str) -> None:
+            report(f"{phase} at {at}", done, total, note)
+
+        return labelled
 
     def _too_small(self, b: int, exc: CaptureError) -> ValueError:
         """The model runs at the largest micro-batch but not at ``b`` (e.g. BatchNorm1d at 1)."""

@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from planner.cost.basis import Layout
 from planner.cost.model import CostModel, Prediction
@@ -46,6 +47,9 @@ from planner.solve.partition import solve_partition
 from planner.solve.problem import PartitionInfeasible, PartitionTimeout
 from planner.solve.step import solve_step
 from planner.solve.step_problem import StepSolution
+
+if TYPE_CHECKING:
+    from planner.profile.timing import Progress
 
 __all__ = ["SearchResult", "place", "search"]
 
@@ -85,8 +89,13 @@ def search(
     allowed_starts: frozenset[int] | None = None,
     block_names: list[str] | None = None,
     n_blocks: int,
+    progress: Progress | None = None,
 ) -> SearchResult:
     """Find the configuration and placement with the shortest predicted step.
+
+    ``progress``: called as ``progress("searching N configurations", done, N, note)``
+    before each configuration and once at the end (``done == N``), the note naming the
+    best so far ("best pp 2 × dp 4, m 8, 1f1b: 12.3 ms"); see ``planner.report.progress``.
 
     Raises:
         ValueError: no configuration is possible (the message says why for the
@@ -99,7 +108,11 @@ def search(
     solved: list[SearchResult] = []
     best_ms = math.inf
     oom_costs: list[CostModel] = []  # for the message when nothing fits
-    for cfg in bounded(profile_for, cluster, training, configs):
+    laid = bounded(profile_for, cluster, training, configs)
+    phase = f"searching {len(laid)} configurations"
+    for k, cfg in enumerate(laid):
+        if progress is not None:
+            progress(phase, k, len(laid), _best_note(solved))
         if cfg.bound >= best_ms:
             why = f"lower bound {cfg.bound:.1f} ms ≥ best {best_ms:.1f} ms"
             tried.append((cfg, candidate(cfg, None, "pruned", why)))
@@ -135,9 +148,23 @@ def search(
         raise ValueError(nothing_fits(records, oom_costs, cluster, training, options))
     best = _proven(min(solved, key=lambda r: r.prediction.step_ms), options, allowed_starts, tried)
     best_ms = best.prediction.step_ms
+    if progress is not None:
+        progress(phase, len(laid), len(laid), _best_note([best]))
     best.candidates = ranked([c for _, c in tried], best.layout, best_ms, options.keep)
     best.warnings = plan_warnings(best.layout, best.solution, best.prediction, options)
     return best
+
+
+def _best_note(solved: list[SearchResult]) -> str:
+    """ "best pp 2 × dp 4, m 8, 1f1b: 12.3 ms" (the fastest of ``solved``), "" if none."""
+    if not solved:
+        return ""
+    r = min(solved, key=lambda r: r.prediction.step_ms)
+    lay = r.layout
+    return (
+        f"best pp {lay.pp} × dp {lay.dp}, m {lay.micro_batches}, {lay.schedule}: "
+        f"{r.prediction.step_ms:.1f} ms"
+    )
 
 
 def _proven(
