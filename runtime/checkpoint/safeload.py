@@ -317,11 +317,11 @@ class SafeReader(FileSystemReader):
                 raise
             info = self._reading
             fqn = next((k.fqn for k, v in self.storage_data.items() if v is info), "?")
-            where = f" ({info.relative_path}, bytes {info.offset}.." if info else " ("
-            where += f"{info.offset + info.length})" if info else "?)"
+            end = info.offset + info.length if info else 0
+            where = f"{info.relative_path}, bytes {info.offset}..{end}" if info else "?"
             raise Refused(
-                f"tensor record {fqn!r}{where} holds a pickled Python object, not tensor data "
-                f"({_torch_why(exc)})"
+                f"tensor record {fqn!r} ({where}) holds a pickled Python object, not tensor "
+                f"data ({_torch_why(exc)})"
             ) from exc
 
 
