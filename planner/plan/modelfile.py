@@ -57,18 +57,21 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import logging
 import os
 import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils.data import IterableDataset, default_collate
 
 from planner.plan.batch import Batch, normalize_inputs, tensors_in
 from planner.plan.default_loss import default_loss
 from planner.plan.modelimport import ModelFileError, contract_error, import_fresh, where
+from planner.plan.text import first_line
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
@@ -83,6 +86,8 @@ DEFAULT_BATCH_SIZE = 8
 
 MODULE_PREFIX = "_planner_model_"
 """The start of a loaded model file's module name (then a hash of its path)."""
+
+log = logging.getLogger(__name__)
 
 _REQUIRED = ("build_model", "sample_batch")
 _OPTIONAL = ("loss_fn", "BATCH_SIZE", "dataset", "collate")
@@ -132,14 +137,26 @@ class ModelFile:
             "parameters need defaults",
         )
 
-    def build(self) -> nn.Module:
+    def build(self, *, meta: bool = False) -> nn.Module:
         """Call ``build_model()`` and check that it returned an ``nn.Module``.
+
+        Example::
+
+            >>> mf.build(meta=True).head.weight.is_meta  # doctest: +SKIP
+            True
+
+        Args:
+            meta: build under ``torch.device("meta")``: parameters get shapes and
+                no memory (what an analytic plan needs; a 70 B model builds in
+                seconds). When that build raises (a file that loads weights, say),
+                the model is built as usual and the reason logged.
 
         Raises:
             ModelFileError: ``build_model`` raised, or returned something else.
         """
+        model = self._build_on_meta() if meta else None
         try:
-            model = self.module.build_model()
+            model = self.module.build_model() if model is None else model
         except Exception as exc:
             raise self._raised("build_model()", exc) from exc
         if not isinstance(model, nn.Module):
@@ -150,6 +167,19 @@ class ModelFile:
                 "return the model itself, e.g. `return MyModel()`",
             )
         return model
+
+    def _build_on_meta(self) -> Any:
+        try:
+            with torch.device("meta"):
+                return self.module.build_model()
+        except Exception as exc:
+            log.warning(
+                "build_model() on the meta device raised %s: %s; building it with real "
+                "tensors (this allocates its parameters)",
+                type(exc).__name__,
+                first_line(exc),
+            )
+            return None
 
     def sample(self, batch_size: int) -> Batch:
         """Call ``sample_batch(batch_size)``, normalize it and check its batch dimension.

@@ -155,11 +155,11 @@ class OpCostMode(TorchDispatchMode):
     with ``dtype`` the op's output dtype (float32 → fp32, bfloat16 → bf16,
     float16 → fp16; any other dtype is priced as fp32). Views cost nothing.
 
-    On meta tensors, ``F.scaled_dot_product_attention`` is routed to the fused
-    (flash) CPU kernel, as a real CPU or GPU run would be, instead of the
-    unfused math path the meta device otherwise takes (which writes the whole
-    ``L×S`` score matrix). It stays on the math path when it has a mask,
-    dropout or grouped-query heads.
+    On meta tensors, ``F.scaled_dot_product_attention`` (or the aten op that a
+    captured graph calls) is routed to the fused (flash) CPU kernel, as a real
+    CPU or GPU run would be, instead of the unfused math path the meta device
+    otherwise takes (which writes the whole ``L×S`` score matrix). It stays on
+    the math path when it has a mask, dropout or grouped-query heads.
 
     Args:
         device: the device to price time on; None counts FLOPs and bytes only
@@ -280,12 +280,16 @@ def _reentered(mode: TorchDispatchMode) -> Iterator[None]:
         TorchDispatchMode.__exit__(mode, None, None, None)
 
 
+_SDPA_OPS = frozenset({aten.scaled_dot_product_attention.default})
+
+
 class _FusedAttentionOnMeta(TorchFunctionMode):
     """Send meta-tensor ``F.scaled_dot_product_attention`` to the fused CPU kernel."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        # F.scaled_dot_product_attention in eager code; the aten op in a captured graph.
+        if func is F.scaled_dot_product_attention or func in _SDPA_OPS:
             fused = _fused_attention(*args, **kwargs)
             if fused is not None:
                 return fused

@@ -10,7 +10,7 @@ import torch.fx
 from torch import nn
 
 from planner.capture.blocks import BlockChain
-from planner.profile.runner import BlockRunner, attr
+from planner.profile.runner import BlockRunner, attr, storage_key
 
 __all__ = ["Owners", "param_nbytes", "saved_bytes"]
 
@@ -79,8 +79,8 @@ def saved_bytes(
             src = chain.blocks[p]
             if node in src.outputs and src.outputs.index(node) in runners[p].saved_outputs:
                 continue  # the producer saved it itself: already in its figure
-            storage = value.untyped_storage()
-            if storage.data_ptr() not in charged:
-                charged.add(storage.data_ptr())
-                out[p] += storage.nbytes()
+            key = storage_key(value)  # not data_ptr(): it is 0 for every meta tensor
+            if key not in charged:
+                charged.add(key)
+                out[p] += value.untyped_storage().nbytes()
     return out

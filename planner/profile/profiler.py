@@ -37,7 +37,9 @@ from planner.options import ProfileOptions
 from planner.plan.batch import batch_size_of
 from planner.plan.fingerprint import fingerprint
 from planner.plan.records import DTYPE_BYTES, BlockCost, ModelProfile, TiedSet
+from planner.plan.text import first_line
 from planner.profile.analytic import OpCost
+from planner.profile.meta import has_real, meta_twin, needs_values, shapes_only_error, to_meta
 from planner.profile.ownership import Owners, param_nbytes, saved_bytes
 from planner.profile.runner import BlockRunner, analytic_loss_ms, forward_pass, requires_grad
 from planner.profile.state import preserved, threads_set
@@ -85,7 +87,75 @@ def profile_model(
     """
     options = options or ProfileOptions()
     kwargs = dict(kwargs or {})
+    if not options.analytic:
+        return _profile(model, args, kwargs, targets, loss_fn, options, progress)
+    return _shapes_only(model, args, kwargs, targets, loss_fn, options, progress)
+
+
+def _shapes_only(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    targets: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    options: ProfileOptions,
+    progress: Progress | None,
+) -> ModelProfile:
+    """An analytic profile run on meta twins of the model and the batch.
+
+    [Note: analytic profiles from shapes alone] A catalogue device's costs
+    depend on shapes only, so nothing real is allocated: the model is profiled
+    through :func:`~planner.profile.meta.meta_twin` (``model`` itself is not
+    touched) and the batch through :func:`~planner.profile.meta.to_meta`. The
+    figures are those of a run on real tensors (tests/profile/test_shapes_only.py
+    checks it). A forward that needs tensor values (``.item()``, ``nonzero``)
+    fails on meta: with real tensors at hand the profile is then taken on them,
+    as before (logged); with meta tensors only, ``ShapesOnlyError`` says so.
+    """
+    real = has_real(model) and has_real(None, args, kwargs, targets)  # can fall back
+    try:
+        twin = meta_twin(model)
+    except Exception as exc:  # deepcopy refused (a lock, an open file...): profile as given
+        log.warning(
+            "analytic profile on the model's own tensors: it cannot be copied to the meta "
+            "device (%s: %s)",
+            type(exc).__name__,
+            first_line(exc),
+        )
+        return _profile(model, args, kwargs, targets, loss_fn, options, progress)
+    meta_args, meta_kwargs, meta_targets = to_meta((args, kwargs, targets))
     fp = fingerprint(model)
+    try:
+        return _profile(
+            twin, meta_args, meta_kwargs, meta_targets, loss_fn, options, progress, fp=fp
+        )
+    except Exception as exc:
+        if not real:
+            if needs_values(exc):
+                raise shapes_only_error(exc, type(model).__name__) from exc
+            raise
+        log.warning(
+            "analytic profile on shapes alone failed (%s: %s); profiling on the real "
+            "tensors instead, which allocates them",
+            type(exc).__name__,
+            first_line(exc),
+        )
+        return _profile(model, args, kwargs, targets, loss_fn, options, progress)
+
+
+def _profile(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    targets: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    options: ProfileOptions,
+    progress: Progress | None,
+    *,
+    fp: str | None = None,
+) -> ModelProfile:
+    """``profile_model`` on the tensors given, whatever device they are on."""
+    fp = fp or fingerprint(model)
     with preserved(model):
         cap = capture(model, args, kwargs)
         key = _cache.key(

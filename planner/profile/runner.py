@@ -29,6 +29,7 @@ __all__ = [
     "forward_pass",
     "loss_inputs",
     "requires_grad",
+    "storage_key",
 ]
 
 
@@ -79,7 +80,7 @@ def attr(gm: torch.fx.GraphModule, target: str) -> Any:
     return obj
 
 
-def _storage_key(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
     """A storage's identity (``data_ptr()`` is 0 for every meta tensor)."""
     return t.untyped_storage()._cdata
 
@@ -105,8 +106,8 @@ class BlockRunner:
                 value = value.detach().requires_grad_(needs_grad.get(node, False))
             self.inputs.append(value)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self._exclude = {_storage_key(t) for t in self.module.parameters()}
-        self._exclude |= {_storage_key(t) for t in self.module.buffers()}
+        self._exclude = {storage_key(t) for t in self.module.parameters()}
+        self._exclude |= {storage_key(t) for t in self.module.buffers()}
         self.saved_bytes = 0
         self.saved_inputs: set[int] = set()
         self.saved_outputs: set[int] = set()
@@ -153,7 +154,7 @@ class BlockRunner:
         """
         mode = OpCostMode(device, dtype_override=dtype)
         inputs = {
-            _storage_key(t): k for k, t in enumerate(self.inputs) if isinstance(t, torch.Tensor)
+            storage_key(t): k for k, t in enumerate(self.inputs) if isinstance(t, torch.Tensor)
         }
         seen: set[int] = set()
         total = 0
@@ -161,7 +162,7 @@ class BlockRunner:
         def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal total
             storage = t.untyped_storage()
-            ptr = _storage_key(t)
+            ptr = storage_key(t)
             if ptr in self._exclude or ptr in seen:
                 return t
             seen.add(ptr)
@@ -178,7 +179,7 @@ class BlockRunner:
             self.saved_outputs = {
                 k
                 for k, o in enumerate(outs)
-                if isinstance(o, torch.Tensor) and _storage_key(o) in seen
+                if isinstance(o, torch.Tensor) and storage_key(o) in seen
             }
         self.seed_grads(outs)  # outside the mode: making the seed is not the block's work
         with mode, mode.phase("bwd"):
