@@ -25,15 +25,10 @@ InfiniBand NDR. CPU processes talk over loopback. See the constants below.
 ``cluster_file.from_record`` reads it back. People write the form of
 :mod:`planner.devices.cluster_file`.
 
-Limits (:data:`MAX_DEVICES`, :data:`MEMORY_RANGE_BYTES`,
-:data:`BANDWIDTH_RANGE`, :data:`LATENCY_RANGE_S`): physically sensible ranges,
-checked by the constructor and, with the key path, by the cluster-file parser, so
-that no figure far outside them (1e300 GB/s, a 1e-300 GB/s link) reaches the
-cost model or the solver, where it would overflow or lose all precision.
-
-Cost: a cluster is immutable, so what reports and the search ask repeatedly
-(the record, the summary, per-node counts, node of each rank) is computed once;
-``allreduce_time`` is linear in its ranks with no per-hop Python work.
+Limits (:data:`MAX_DEVICES` and the ``*_RANGE*`` below) are physically sensible;
+the constructor checks them, the cluster-file parser too with the key path, so no
+1e300 reaches the cost model or the solver. A cluster is immutable: what the search
+and reports ask repeatedly (record, summary, rings) is computed once.
 
 Pure: no torch.
 """
@@ -92,8 +87,7 @@ LOOPBACK_LATENCY_S = 150e-6
 #: effective vs ~4 GB/s p2p on loopback); NCCL's ring runs at link speed.
 GLOO_ALLREDUCE_EFFICIENCY = 0.4
 
-#: The most devices one cluster may hold: 2^17 = 131,072, above the largest
-#: training clusters built (~100,000 GPUs). Plan a bigger one as identical parts.
+#: The most devices of a cluster: 2^17, above the largest ever built (~100,000 GPUs).
 MAX_DEVICES = 131_072
 #: Memory per device, bytes: 1 MiB (a toy test device) to 1 PiB (≈ 7,000 H100s' worth).
 MEMORY_RANGE_BYTES = (2**20, 2**50)
@@ -209,9 +203,8 @@ class Cluster:
     def n_nodes(self) -> int:
         return self.devices[-1].node + 1
 
-    # The cluster is immutable: what is asked repeatedly is computed once, on first
-    # use (functools.cached_property writes the instance's __dict__, which a frozen
-    # dataclass allows; dataclasses.replace builds a new instance, with no cache).
+    # functools.cached_property writes the instance's __dict__, as a frozen dataclass
+    # allows; dataclasses.replace builds a new instance, with no cache.
 
     @functools.cached_property
     def device_types(self) -> tuple[str, ...]:
@@ -228,9 +221,7 @@ class Cluster:
     def cores_per_node(self) -> int:
         """CPU cores the processes of a node share: for a CPU cluster this machine's
         usable cores (its processes run here), 0 for GPUs."""
-        if self.backend != "gloo":
-            return 0
-        return usable_cores()
+        return usable_cores() if self.backend == "gloo" else 0
 
     def devices_per_node(self) -> list[int]:
         """Devices in each node, in node order (a new list each call)."""
@@ -269,7 +260,10 @@ class Cluster:
         """Seconds to send ``nbytes`` from ``a`` to ``b``: latency + bytes / bandwidth."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        if self._node(a) != self._node(b):
+        nodes = self._node_of  # inlined _node: the cost model asks this per replica pair
+        if not (0 <= a < len(nodes) and 0 <= b < len(nodes)):
+            self._node(b if 0 <= a < len(nodes) else a)  # raises, naming the rank
+        if nodes[a] != nodes[b]:
             return self.inter_node_latency_s + nbytes / self.inter_node_bandwidth
         return 0.0 if a == b else self.intra_node_latency_s + nbytes / self.intra_node_bandwidth
 
@@ -287,16 +281,31 @@ class Cluster:
             >>> c.allreduce_time(range(8), 0) == 2 * 7 * DEFAULT_INTRA_NODE_LATENCY_S
             True
         """
+        key = ranks if isinstance(ranks, tuple) else tuple(ranks)
+        ring = self._rings.get(key)
+        if ring is None:
+            ring = self._ring(key)
+            if len(self._rings) < 4096:  # a search asks of a few rank sets, many times
+                self._rings[key] = ring
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        n, bw, lat = ring  # one rank: 0 s (bandwidth inf, latency 0)
+        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+
+    @functools.cached_property
+    def _rings(self) -> dict[tuple[int, ...], tuple[int, float, float]]:
+        return {}
+
+    def _ring(self, ranks: tuple[int, ...]) -> tuple[int, float, float]:
+        """(ranks, bandwidth, latency) of the ring over ``ranks``: its slowest link."""
         ring = sorted(ranks)
         if not ring or len(set(ring)) != len(ring):
             raise ValueError(f"all-reduce needs distinct ranks, at least one; got {list(ranks)}")
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         n = len(ring)
         self._node(ring[0])
         self._node(ring[-1])  # sorted: every rank is in range when both ends are
         if n == 1:
-            return 0.0
+            return 1, math.inf, 0.0
         # Ranks are numbered node by node, so in the sorted ring the ranks of one node
         # sit together: a hop crosses nodes iff the ring spans more than one node, and
         # a hop stays inside one iff some node holds two of the ranks.
@@ -309,14 +318,13 @@ class Cluster:
         bw, lat = min(links, key=lambda link: (link[0], -link[1]))  # slowest, then laggiest
         if self.backend == "gloo":
             bw *= GLOO_ALLREDUCE_EFFICIENCY
-        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+        return n, bw, lat
 
     def to_record(self) -> ClusterRecord:
         """The plan file's exact form; ``cluster_file.from_record`` reads it back.
 
-        Memory in bytes, bandwidth in bytes/s, latency in seconds; each node
-        lists runs of equal devices (type, count, memory_bytes, threads). The
-        record is immutable and made once per cluster.
+        Memory in bytes, bandwidth in bytes/s, latency in seconds; each node lists
+        runs of equal devices (type, count, memory_bytes, threads). Made once.
         """
         return self._record
 
@@ -327,12 +335,9 @@ class Cluster:
 
         nodes = []
         for _, node in itertools.groupby(self.devices, key=lambda d: d.node):
-            groups = []
-            for (key, memory, threads), same in itertools.groupby(node, key=run):
-                count = sum(1 for _ in same)
-                groups.append(
-                    DeviceGroup(type=key, count=count, memory_bytes=memory, threads=threads)
-                )
+            runs = itertools.groupby(node, key=run)
+            groups = (DeviceGroup(type=k, count=len(list(same)), memory_bytes=m, threads=t)
+                      for (k, m, t), same in runs)  # fmt: skip
             nodes.append(NodeRecord(devices=tuple(groups)))
         return ClusterRecord(
             name=self.name,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from repo import CLUSTERS
@@ -254,3 +255,63 @@ def test_constructor_checks_layout_and_backend():
             Cluster(name="x", devices=tuple(ok), backend="nccl", **{**links, field: value})
     with pytest.raises(ValueError, match="0 for a GPU"):
         ClusterDevice(rank=0, node=0, local_index=0, device=h100, threads=2)
+
+
+# --- scale: linear in the devices ----------------------------------------------------
+
+
+class _Budget:
+    """Counts the function calls (Python and builtin) made inside it; fails past ``limit``.
+
+    A count, not a time, so that a loaded machine does not make it flaky: a path
+    quadratic in the devices makes ~n² calls, 4·10⁸ at n = 20,000, and trips any
+    linear budget at once.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.calls = limit, 0
+
+    def _count(self, frame, event, arg):  # sys.setprofile's signature
+        if event in ("call", "c_call"):
+            self.calls += 1
+            if self.calls > self.limit:
+                sys.setprofile(None)
+                raise AssertionError(f"over {self.limit:,} calls: not linear in the devices")
+
+    def __enter__(self) -> _Budget:
+        sys.setprofile(self._count)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+
+@pytest.mark.parametrize(("nodes", "per_node"), [(20_000, 1), (2_500, 8)])
+def test_a_cluster_of_20000_devices_is_handled_in_linear_work(nodes, per_node):
+    n = nodes * per_node
+    data = {"nodes": [{"type": "h100", "count": per_node, "repeat": nodes}]}
+    with _Budget(40 * n) as parsing:  # ~13 calls a device
+        c = parse_cluster(data)
+    # Everything a plan and its report ask of the cluster, asked many times over.
+    with _Budget(40 * n):  # ~25 calls a device, the first time only
+        for _ in range(100):
+            summary = c.describe()
+            record = c.to_record()
+            assert c.homogeneous and c.devices_per_node() == [per_node] * nodes
+            assert c.device_types == ("h100",) and c.n_nodes == nodes
+        assert c.allreduce_time(range(n), 1e9) > 0 and c.p2p_time(0, n - 1, 1e6) > 0
+        assert [record.device(r).type for r in range(0, n, 97)] == ["h100"] * len(range(0, n, 97))
+    assert summary.startswith(f"{nodes} nodes × {per_node} h100 (79.6 GiB)")
+    assert len(record.nodes) == nodes and parsing.calls > n  # the budget counted the work
+
+
+def test_allreduce_across_many_nodes_is_the_ring_formula():
+    c = parse_cluster({"nodes": [{"type": "h100", "count": 4, "repeat": 2500}]})
+    n, size = 10_000, 1e9
+    ring = 2 * (n - 1) / n * size / 50e9 + 2 * (n - 1) * DEFAULT_INTER_NODE_LATENCY_S
+    c.bandwidth(0, 1)  # the node of each rank: a table made once, on first use
+    with _Budget(1_000):  # a few calls each, whatever the ranks: no work per hop in Python
+        assert c.allreduce_time(range(n), size) == pytest.approx(ring)
+        # One replica per node: every hop crosses nodes; four on one node: none does.
+        assert c.allreduce_time(range(0, n, 4), 0) == 2 * (n // 4 - 1) * 10e-6
+        assert c.allreduce_time([8, 9, 10, 11], 0) == 2 * 3 * DEFAULT_INTRA_NODE_LATENCY_S
