@@ -224,7 +224,9 @@ def _planned(ns: argparse.Namespace, progress: Any) -> Plan:
     from planner.devices.build import from_gpus
     from planner.devices.cluster_file import load_cluster
     from planner.plan.modelfile import load_model_file
+    from planner.plan.text import first_line
     from planner.planning import plan_model
+    from planner.profile.meta import ShapesOnlyError
 
     if ns.cluster:
         cluster = load_cluster(ns.cluster)
@@ -238,23 +240,33 @@ def _planned(ns: argparse.Namespace, progress: Any) -> Plan:
         search=from_namespace(SearchOptions, ns),
         profile=from_namespace(ProfileOptions, ns),
     )
-    if progress is not None:
-        progress("building the model", 0, 0, "")
-    model = mf.build()
+    # Analytic costs need shapes only: the model is built on the meta device.
+    analytic = "cpu" not in cluster.device_types
 
     def sampler(b: int) -> tuple[Any, Any, Any]:
         bt = mf.sample(b)
         return bt.args, bt.kwargs, bt.targets
 
-    return plan_model(
-        model,
-        sampler,
-        cluster=cluster,
-        loss_fn=mf.loss,
-        options=options,
-        model_file=str(ns.model_file),
-        progress=progress,
-    )
+    def planned(model: Any, progress: Any) -> Plan:
+        return plan_model(
+            model,
+            sampler,
+            cluster=cluster,
+            loss_fn=mf.loss,
+            options=options,
+            model_file=str(ns.model_file),
+            progress=progress,
+        )
+
+    if progress is not None:
+        progress("building the model" + (" (shapes only)" if analytic else ""), 0, 0, "")
+    try:
+        return planned(mf.build(meta=analytic), progress)
+    except ShapesOnlyError as exc:  # the forward reads values: plan on real tensors
+        log.warning("%s; building the model with real tensors", first_line(exc))
+        if progress is not None:
+            progress("building the model", 0, 0, "")
+        return planned(mf.build(), progress)
 
 
 def _check_writable(flag: str, value: str | None) -> None:
@@ -309,7 +321,14 @@ def _write_extras(plan: Plan, ns: argparse.Namespace) -> None:
 
 
 def _cmd_profile(ns: argparse.Namespace) -> int:
+    import contextlib
+
+    import torch
+
     from planner.plan.modelfile import load_model_file
+    from planner.plan.records import ModelProfile
+    from planner.plan.text import first_line
+    from planner.profile.meta import ShapesOnlyError
     from planner.profile.profiler import profile_model
     from planner.report.profile_table import print_profile
     from planner.report.progress import progress_bar
@@ -319,12 +338,15 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
     batch_size = ns.batch_size or mf.batch_size
     if batch_size < 1:
         raise ValueError(f"--batch-size must be ≥ 1, got {batch_size}")
-    model = mf.build()
-    batch = mf.sample(batch_size)
-    with progress_bar(enabled=not ns.json) as progress:
+
+    def profiled(meta: bool, progress: Any) -> ModelProfile:
         if progress is not None:  # until the timing starts (or the priced profile is done)
-            progress(f"tracing the model at micro-batch {batch_size}", 0, 0, "")
-        prof = profile_model(
+            progress(f"building and tracing the model at micro-batch {batch_size}", 0, 0, "")
+        # An analytic profile needs shapes only: model and batch made on the meta device.
+        model = mf.build(meta=meta)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            batch = mf.sample(batch_size)
+        return profile_model(
             model,
             batch.args,
             batch.kwargs,
@@ -333,6 +355,13 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
             options=options,
             progress=progress,
         )
+
+    with progress_bar(enabled=not ns.json) as progress:
+        try:
+            prof = profiled(options.analytic, progress)
+        except ShapesOnlyError as exc:  # the forward reads values: profile real tensors
+            log.warning("%s; profiling the model with real tensors", first_line(exc))
+            prof = profiled(False, progress)
     if ns.json:
         json.dump(prof.to_dict(), sys.stdout, indent=1)
         print()

@@ -33,6 +33,7 @@ from planner.devices.cluster import Cluster
 from planner.options import ProfileOptions, Training
 from planner.plan.records import BlockCost, ModelProfile
 from planner.plan.text import first_line
+from planner.profile.meta import sampled_on_meta
 from planner.profile.profiler import profile_model
 from planner.profile.timing import Progress
 
@@ -169,7 +170,6 @@ class SizedProfiles:
         self.cache: dict[tuple[str, int], ModelProfile] = {}
 
     def _profile(self, device: str, b: int) -> ModelProfile:
-        args, kwargs, targets = self.sampler(b)
         local = device == "cpu"
         threads = self.cluster.devices[0].threads if self.cluster.backend == "gloo" else None
         bf16 = self.training.precision == "bf16-mixed"
@@ -180,9 +180,10 @@ class SizedProfiles:
             threads=(threads if local else None) or self.options.threads,
             split_points=self.split_points,
         )
-        progress = self._phases(device, b, threads or 0)
-        try:
-            prof = profile_model(
+
+        def run(batch: tuple[tuple[Any, ...], dict[str, Any], Any]) -> ModelProfile:
+            args, kwargs, targets = batch
+            return profile_model(
                 self.model,
                 args,
                 kwargs,
@@ -191,6 +192,11 @@ class SizedProfiles:
                 options=opts,
                 progress=progress,
             )
+
+        progress = self._phases(device, b, threads or 0)
+        try:
+            # An analytic profile needs shapes only: the batch is drawn on the meta device.
+            prof = run(self.sampler(b)) if local else sampled_on_meta(self.sampler, b, run)
         except CaptureError as exc:
             if b == max(self.sizes):
                 raise
