@@ -297,8 +297,8 @@ def _cmd_show(ns: argparse.Namespace) -> int:
 
 def _console() -> Console:
     """A rich console: the terminal's width, or to a file or pipe ``COLUMNS`` (default
-    100); the tables fold to it (``planner.report.fold``)."""
-    from planner.report.fold import output_width
+    100); the tables fold to it (``planner.plan.fold``)."""
+    from planner.plan.fold import output_width
 
     return Console(width=None if sys.stdout.isatty() else output_width(False))
 

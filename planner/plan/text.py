@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["few", "first_line"]
+import itertools
+from collections.abc import Sequence
+
+__all__ = ["few", "first_line", "fmt_ranks"]
 
 
 def first_line(text: object) -> str:
@@ -25,3 +28,14 @@ def few(items: list[str], show: int = 5) -> str:
     """
     more = f" (+{len(items) - show} more)" if len(items) > show else ""
     return ", ".join(items[:show]) + more
+
+
+def fmt_ranks(ranks: Sequence[int]) -> str:
+    """Ranks in short: "0–7" for a run, "0,2,…,14" for a long stride, else "0,4"."""
+    r = list(ranks)
+    steps = {b - a for a, b in itertools.pairwise(r)}
+    if len(r) >= 3 and steps == {1}:
+        return f"{r[0]}–{r[-1]}"
+    if len(r) > 4 and len(steps) == 1:
+        return f"{r[0]},{r[1]},…,{r[-1]}"
+    return ",".join(map(str, r))

@@ -25,6 +25,7 @@ from torch import nn
 from planner.capture.blocks import BlockChain
 from planner.capture.trace import Captured
 from planner.options import ProfileOptions
+from planner.plan.progress import Progress
 from planner.profile.runner import BlockRunner, loss_inputs
 
 __all__ = [
@@ -39,11 +40,6 @@ __all__ = [
     "measure_blocks",
 ]
 
-Progress = Callable[[str, int, int, str], None]
-"""``progress(phase, done, total, note)``: called as planning advances. ``phase`` labels
-one phase (a new label begins the next), ``done`` of ``total`` units (``total`` fixed for
-the phase; 0 when its size is not known), ``note`` a short status ("" for none). Drawn by
-:func:`planner.report.progress.progress_bar`."""
 
 MIN_MEASURE_S = 1.0
 """Timed rounds continue until they add up to this many seconds (see adaptive repeats)."""

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 
+from planner.plan.text import fmt_ranks
 from planner.plan.units import GIB, MIB
 
 __all__ = [
@@ -62,17 +62,6 @@ def fmt_count(n: float) -> str:
 def fmt_pct(x: float, digits: int = 0) -> str:
     """ "42 %" (``digits`` decimals)."""
     return f"{100 * x:.{digits}f} %"
-
-
-def fmt_ranks(ranks: Sequence[int]) -> str:
-    """Ranks in short: "0–7" for a run, "0,2,…,14" for a long stride, else "0,4"."""
-    r = list(ranks)
-    steps = {b - a for a, b in itertools.pairwise(r)}
-    if len(r) >= 3 and steps == {1}:
-        return f"{r[0]}–{r[-1]}"
-    if len(r) > 4 and len(steps) == 1:
-        return f"{r[0]},{r[1]},…,{r[-1]}"
-    return ",".join(map(str, r))
 
 
 def fmt_modules(mods: Sequence[str]) -> str:

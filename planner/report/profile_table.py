@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from planner.plan.fold import Col
 from planner.plan.records import ModelProfile
 from planner.report.content import Row
-from planner.report.fold import Col
 from planner.report.terminal import print_table
 
 __all__ = ["CHECK_TOLERANCE", "check_line", "print_profile"]

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from planner.profile.timing import Progress
+    from planner.plan.progress import Progress
 
 __all__ = ["PREFIX", "PhaseLines", "progress_bar"]
 

@@ -1,5 +1,5 @@
 """The plan report on the terminal: a summary, the stage, split-point and candidate
-tables, warnings; laid out to the console's width (:mod:`planner.report.fold`)."""
+tables, warnings; laid out to the console's width (:mod:`planner.plan.fold`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from planner.plan.fold import Col, fold, hidden_note, wrap
 from planner.plan.schema import Plan
 from planner.report.content import (
     CAND_COLS,
@@ -23,7 +24,6 @@ from planner.report.content import (
     summary,
     timeline,
 )
-from planner.report.fold import Col, fold, hidden_note, wrap
 
 __all__ = ["print_plan", "print_table"]
 

@@ -49,7 +49,7 @@ from planner.solve.step import solve_step
 from planner.solve.step_problem import StepSolution
 
 if TYPE_CHECKING:
-    from planner.profile.timing import Progress
+    from planner.plan.progress import Progress
 
 __all__ = ["SearchResult", "place", "search"]
 

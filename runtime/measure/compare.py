@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from planner.plan.files import atomic_write
+from planner.plan.fold import Col, fold, hidden_note, output_width, wrap
 from planner.plan.schema import Plan
+from planner.plan.text import fmt_ranks
 from planner.plan.timeline import ChromeTrace
 from planner.plan.units import MIB
-from planner.report.fold import Col, fold, hidden_note, output_width, wrap
-from planner.report.format import fmt_ranks
 from runtime.measure.recorder import Measurement
 
 __all__ = ["comparison_table", "trace_json", "write_trace"]
@@ -41,7 +41,7 @@ def comparison_table(plan: Plan, result: Measurement, width: int | None = None) 
 
     The table fits ``width`` (default: the terminal's, else ``COLUMNS``, else
     100): on a narrow one the step's columns go first, then the ranks, then
-    memory, and the last line says which were hidden (``planner.report.fold``).
+    memory, and the last line says which were hidden (``planner.plan.fold``).
     """
     width = width or _width()
     warm = [s for s in result.steps if s not in set(result.counted)]

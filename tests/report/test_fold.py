@@ -1,4 +1,4 @@
-"""Tables at 80, 100 and 150 columns (planner.report.fold): every line fits, no word is
+"""Tables at 80, 100 and 150 columns (planner.plan.fold): every line fits, no word is
 split, the important columns stay, and the hidden ones are named."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from planner.plan import (
     StagePlan,
     TrainingPlan,
 )
+from planner.plan.fold import PIPE_WIDTH, Col, fold, output_width
 from planner.plan.units import GIB
 from planner.profile.profiler import profile_model
 from planner.report import print_plan
-from planner.report.fold import PIPE_WIDTH, Col, fold, output_width
 from planner.report.profile_table import print_profile
 from runtime.measure.compare import comparison_table
 from runtime.measure.recorder import Interval, Measurement, RankRecord
