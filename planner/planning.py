@@ -15,7 +15,7 @@ from torch import nn
 
 from planner import cache as _cache
 from planner.cost.model import Prediction
-from planner.devices.build import from_gpus
+from planner.devices.build import from_gpus, with_threads
 from planner.devices.cluster import Cluster
 from planner.options import PlanOptions, SearchOptions, Training
 from planner.plan.batch import batch_size_of, normalize_inputs, slice_batch
@@ -33,7 +33,7 @@ from planner.plan.sections import (
 )
 from planner.profile.sizes import Sampler, SizedProfiles
 from planner.profile.timing import Progress
-from planner.search.configurations import configurations
+from planner.search.configurations import ProfileFor, ThreadsFor, configurations, local_cpu
 from planner.search.loop import SearchResult, search
 from planner.solve.partition import check_solver
 
@@ -108,12 +108,22 @@ def plan_model(
                 options.search,
                 n_blocks=len(base.blocks),
                 block_names=names,
+                threads_for=_threads_for(cluster, profiles) if local_cpu(cluster) else None,
                 progress=progress,
             )
         except ValueError as exc:
             _explain_excluded(exc, base)
             raise
         return _assemble(result, base, cluster, options, profiles, model, model_file)
+
+
+def _threads_for(cluster: Cluster, profiles: SizedProfiles) -> ThreadsFor:
+    """The local CPU cluster and its profiles at t torch threads ([Note: fewer CPU processes])."""
+
+    def at(threads: int) -> tuple[Cluster, ProfileFor]:
+        return with_threads(cluster, threads), lambda t, b: profiles.get(t, b, threads)
+
+    return at
 
 
 def _explain_excluded(exc: ValueError, base: ModelProfile) -> None:
@@ -189,7 +199,7 @@ def _assemble(
             blocks=len(base.blocks),
             parameter_shapes=parameter_shapes(model),
         ),
-        cluster=cluster.to_record(),
+        cluster=result.cost.cluster.to_record(),  # the processes it runs, their threads
         training=TrainingPlan(
             global_batch=training.global_batch,
             micro_batches=lay.micro_batches,
@@ -214,7 +224,7 @@ def _assemble(
             note=sol.detail,
         ),
         candidates=tuple(result.candidates),
-        profiles=tuple(profiles.all_anchors()),
+        profiles=tuple(profiles.all_anchors(result.cost.cluster.devices[0].threads)),
         warnings=tuple(warnings),
     )
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from planner.cost.stage_time import CPU_CORUN_SLOWDOWN
 from planner.plan.schedule import SCHEDULES
 
-__all__ = ["SegmentBound", "closed_form", "work_bound"]
+__all__ = ["SegmentBound", "closed_form", "shared_cores_bound", "work_bound"]
 
 
 def work_bound(
@@ -45,6 +46,30 @@ def work_bound(
     if schedule == "1f1b":
         return max(micro_batches * share, total)
     return total + (micro_batches - 1) * share
+
+
+def shared_cores_bound(
+    total: float, pp: int, dp: int, micro_batches: int, threads: int, cores: int
+) -> float:
+    """A lower bound on the step of pp · dp local CPU processes sharing ``cores`` cores.
+
+    ``total``: one micro-batch's Σ forward + backward (loss included) on one
+    process of ``threads`` threads running alone; a step does dp · m of them. In
+    [Note: shared cores] (:func:`planner.cost.stage_time.cpu_speeds`) k busy
+    processes each run at min(1, cores / (k · threads)) of their speed alone, and
+    ``CPU_CORUN_SLOWDOWN`` (c) slower still while more than one is on a core, so
+    together they get through at most
+
+        r = max(min(1, cores / threads), min(pp · dp, cores / threads) / c)
+
+    processes' worth of work per unit of time, and step ≥ dp · m · total / r.
+
+    >>> round(shared_cores_bound(10.0, pp=4, dp=2, micro_batches=4, threads=1, cores=2), 1)
+    46.0
+    """
+    lanes = cores / threads
+    rate = max(min(1.0, lanes), min(pp * dp, lanes) / CPU_CORUN_SLOWDOWN)
+    return dp * micro_batches * total / rate
 
 
 def closed_form(

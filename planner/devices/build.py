@@ -6,6 +6,7 @@ links and the default name.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from planner.devices.catalogue import Catalogue, Device, default_catalogue
@@ -24,7 +25,15 @@ from planner.devices.cluster import (
 from planner.devices.local import local_accelerator, local_cpu, usable_cores
 from planner.plan.units import GIB
 
-__all__ = ["NodeDevices", "assemble", "cpu_device", "default_name", "from_gpus", "gpu_or_none"]
+__all__ = [
+    "NodeDevices",
+    "assemble",
+    "cpu_device",
+    "default_name",
+    "from_gpus",
+    "gpu_or_none",
+    "with_threads",
+]
 
 NodeDevices = list[tuple[Device, int]]
 """(device, threads) per device of one node."""
@@ -168,3 +177,20 @@ def cpu_device(threads: int) -> Device:
         return local_cpu()
     finally:
         torch.set_num_threads(before)
+
+
+def with_threads(cluster: Cluster, threads: int) -> Cluster:
+    """The local CPU cluster with every process given ``threads`` torch threads, its device
+    measured so (:func:`cpu_device`); memories, links and name kept.
+
+    Example::
+
+        with_threads(from_gpus(8), 2).devices[0].threads   # 2
+    """
+    assert cluster.backend == "gloo", "threads are for local CPU processes"
+    cpu = cpu_device(threads)
+    devices = tuple(
+        dataclasses.replace(d, device=cpu.with_memory(d.device.memory_bytes), threads=threads)
+        for d in cluster.devices
+    )
+    return dataclasses.replace(cluster, devices=devices)

@@ -165,13 +165,18 @@ class SizedProfiles:
         self.options = options
         self.progress = progress
         self.sizes = sorted(sizes)
-        self.anchors: dict[str, list[ModelProfile]] = {}
+        self.anchors: dict[tuple[str, int], list[ModelProfile]] = {}  # (device, threads)
         self.split_points: tuple[str, ...] | None = options.split_points
-        self.cache: dict[tuple[str, int], ModelProfile] = {}
+        self.cache: dict[tuple[str, int, int], ModelProfile] = {}
 
-    def _profile(self, device: str, b: int) -> ModelProfile:
+    def _threads(self, threads: int | None) -> int:
+        """The torch threads a local CPU profile is measured with (0: not a local CPU)."""
+        if self.cluster.backend != "gloo":
+            return 0
+        return threads or self.cluster.devices[0].threads
+
+    def _profile(self, device: str, b: int, threads: int) -> ModelProfile:
         local = device == "cpu"
-        threads = self.cluster.devices[0].threads if self.cluster.backend == "gloo" else None
         bf16 = self.training.precision == "bf16-mixed"
         opts = dataclasses.replace(
             self.options,
@@ -193,7 +198,7 @@ class SizedProfiles:
                 progress=progress,
             )
 
-        progress = self._phases(device, b, threads or 0)
+        progress = self._phases(device, b, threads)
         try:
             # An analytic profile needs shapes only: the batch is drawn on the meta device.
             prof = run(self.sampler(b)) if local else sampled_on_meta(self.sampler, b, run)
@@ -252,16 +257,20 @@ class SizedProfiles:
         lo, hi = min(self.sizes), max(self.sizes)
         return [hi] if lo == hi else [hi, lo]
 
-    def get(self, device: str, b: int) -> ModelProfile:
-        """The profile of ``device`` at micro-batch ``b`` (what the search asks)."""
-        if (device, b) in self.cache:
-            return self.cache[(device, b)]
-        if device not in self.anchors:
-            self.anchors[device] = [self._profile(device, a) for a in self.anchor_sizes()]
-        prof = at_batch_size(self.anchors[device], b)
-        self.cache[(device, b)] = prof
+    def get(self, device: str, b: int, threads: int | None = None) -> ModelProfile:
+        """The profile of ``device`` at micro-batch ``b`` (what the search asks); on a local
+        CPU measured with ``threads`` torch threads (None: the cluster's)."""
+        t = self._threads(threads)
+        if (device, b, t) in self.cache:
+            return self.cache[(device, b, t)]
+        if (device, t) not in self.anchors:
+            self.anchors[(device, t)] = [self._profile(device, a, t) for a in self.anchor_sizes()]
+        prof = at_batch_size(self.anchors[(device, t)], b)
+        self.cache[(device, b, t)] = prof
         return prof
 
-    def all_anchors(self) -> list[ModelProfile]:
-        """The profiles measured (or priced), device type by device type: what a plan keeps."""
-        return [p for key in sorted(self.anchors) for p in self.anchors[key]]
+    def all_anchors(self, threads: int | None = None) -> list[ModelProfile]:
+        """The profiles measured (or priced) with ``threads`` (None: the cluster's), device
+        type by device type: what a plan keeps."""
+        t = self._threads(threads)
+        return [p for key in sorted(self.anchors) if key[1] == t for p in self.anchors[key]]

@@ -6,26 +6,50 @@ of it says which rank runs which stage of which replica. Each gets a lower
 bound on its step from the work alone (:func:`planner.cost.step_time.work_bound`),
 and the search visits them best bound first.
 
+[Note: fewer CPU processes] On GPUs pp · dp is every device. Processes on the
+local CPU share its cores, so fewer of them, each with more torch threads, can
+be faster (one process on both cores of a 2-core machine beat every pipelined
+run by 1.45–2.05×, bench/results/runtime.json): on a local CPU cluster
+(:func:`local_cpu`) pp · dp may be any count up to the processes given, and
+each configuration is also tried with every thread count t dividing the cores
+with pp · dp · t ≤ cores (besides the cluster's own), each priced from a
+profile measured at t threads (``ThreadsFor``). The single process is always
+among them, so a pipelined CPU plan is only chosen when predicted faster.
+
 Pure: no torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from planner.cost.step_time import work_bound
+from planner.cost.step_time import shared_cores_bound, work_bound
 from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
 from planner.plan.records import ModelProfile
 from planner.plan.schedule import SCHEDULES, schedule_problem
 from planner.search.messages import nothing_possible
 
-__all__ = ["Config", "ProfileFor", "bounded", "configurations", "layouts"]
+__all__ = [
+    "Config",
+    "ProfileFor",
+    "ThreadsFor",
+    "bounded",
+    "configurations",
+    "layouts",
+    "local_cpu",
+    "thread_counts",
+]
 
 ProfileFor = Callable[[str, int], ModelProfile]
 """profile_for(device_type, micro_batch_size) -> the model's profile there."""
+
+ThreadsFor = Callable[[int], tuple[Cluster, ProfileFor]]
+"""threads_for(t) -> (the local CPU cluster with each process measured at, and given, t
+torch threads; the model's profiles measured at t threads): [Note: fewer CPU processes]."""
 
 Grid = tuple[tuple[int, ...], ...]
 Rejection = tuple[str, str]  # (why, fix)
@@ -33,15 +57,48 @@ Rejection = tuple[str, str]  # (why, fix)
 
 @dataclass(order=True)
 class Config:
-    """A configuration laid on the ranks, with its lower bound (the sort key)."""
+    """A configuration laid on the ranks, with its lower bound (the sort key).
+
+    ``cluster``: the devices it runs on (on a local CPU, its pp · dp processes with
+    ``threads`` torch threads each); ``profile_for``: the profiles measured for them.
+    """
 
     bound: float
     pp: int
     dp: int
     m: int
     schedule: str
+    threads: int
     layout_name: str = field(compare=False)
     grid: Grid = field(compare=False)
+    cluster: Cluster = field(compare=False, repr=False)
+    profile_for: ProfileFor = field(compare=False, repr=False)
+
+
+def local_cpu(cluster: Cluster) -> bool:
+    """True for processes on this machine's CPU (one node, gloo, alike): the search may
+    use fewer of them, with more threads each ([Note: fewer CPU processes])."""
+    return cluster.backend == "gloo" and cluster.n_nodes == 1 and cluster.homogeneous
+
+
+def thread_counts(cluster: Cluster, processes: int) -> list[int]:
+    """The torch threads per process tried for ``processes`` processes of ``cluster``.
+
+    A local CPU cluster: its own thread count, and every divisor t of the cores
+    with processes · t ≤ cores (more threads than cores are time-sliced, priced by
+    :func:`planner.cost.stage_time.cpu_speeds`, and never faster). Elsewhere the
+    cluster's own (0 on GPUs).
+
+    Example::
+
+        thread_counts(from_gpus(8), 1)   # on 2 cores: [1, 2]
+    """
+    own = cluster.devices[0].threads
+    if not local_cpu(cluster):
+        return [own]
+    cores = cluster.cores_per_node
+    fit = {t for t in range(1, cores + 1) if cores % t == 0 and processes * t <= cores}
+    return sorted(fit | {own})
 
 
 def layouts(cluster: Cluster, pp: int, dp: int) -> list[tuple[str, Grid]]:
@@ -100,11 +157,14 @@ def configurations(
     rejected: list[Rejection] = []
     out: list[tuple[int, int, int, str]] = []
     n_dev = cluster.n_devices
+    fewer = local_cpu(cluster)  # [Note: fewer CPU processes]
     if n_blocks is None:
         max_stages = n_dev
     else:
         max_stages = (len(allowed_starts) if allowed_starts is not None else n_blocks - 1) + 1
-    pps = [options.pp] if options.pp else [p for p in range(1, n_dev + 1) if n_dev % p == 0]
+    pps = (
+        [options.pp] if options.pp else [p for p in range(1, n_dev + 1) if fewer or n_dev % p == 0]
+    )
     for pp in pps:
         if pp > max_stages:
             rejected.append(
@@ -116,7 +176,7 @@ def configurations(
                 )
             )
             continue
-        for dp in _widths(pp, n_dev, training.global_batch, options, rejected):
+        for dp in _widths(pp, n_dev, training.global_batch, options, rejected, fewer):
             for m in _micro_batch_counts(training.global_batch, dp, options, rejected):
                 out += _schedules(pp, dp, m, options, rejected)
     if not out:
@@ -125,10 +185,21 @@ def configurations(
 
 
 def _widths(
-    pp: int, n_dev: int, batch: int, options: SearchOptions, rejected: list[Rejection]
+    pp: int,
+    n_dev: int,
+    batch: int,
+    options: SearchOptions,
+    rejected: list[Rejection],
+    fewer: bool = False,
 ) -> list[int]:
-    """The data-parallel widths for pipeline depth ``pp`` (with the rejections said why)."""
-    dps = [options.dp] if options.dp else ([n_dev // pp] if n_dev % pp == 0 else [])
+    """The data-parallel widths for pipeline depth ``pp`` (with the rejections said why):
+    dp = devices / pp, or with ``fewer`` every dp with pp · dp ≤ devices."""
+    if options.dp:
+        dps = [options.dp]
+    elif fewer:
+        dps = [d for d in range(1, n_dev // pp + 1) if batch % d == 0] or [n_dev // pp]
+    else:
+        dps = [n_dev // pp] if n_dev % pp == 0 else []
     if not dps:
         divisors = ", ".join(str(p) for p in range(1, n_dev + 1) if n_dev % p == 0)
         rejected.append(
@@ -210,20 +281,49 @@ def bounded(
     cluster: Cluster,
     training: Training,
     configs: list[tuple[int, int, int, str]],
+    threads_for: ThreadsFor | None = None,
 ) -> list[Config]:
-    """Every configuration laid on the ranks, with its lower bound, best bound first."""
-    fastest: dict[int, tuple[float, float]] = {}
+    """Every configuration laid on the ranks, with its lower bound, best bound first.
+
+    On a local CPU cluster each is tried with every count of :func:`thread_counts`
+    that ``threads_for`` can give (only the cluster's own without it), on its first
+    pp · dp processes, bounded also by the cores they share
+    (:func:`~planner.cost.step_time.shared_cores_bound`).
+    """
+    own = cluster.devices[0].threads
+    variants: dict[int, tuple[Cluster, ProfileFor]] = {own: (cluster, profile_for)}
+    fastest: dict[tuple[int, int], tuple[float, float]] = {}
+    cpu = local_cpu(cluster)
     out = []
     for pp, dp, m, sched in configs:
         b = training.global_batch // (dp * m)
-        if b not in fastest:
-            fastest[b] = _work(profile_for, cluster, b)
-        total, heaviest = fastest[b]
-        bound = work_bound(total, heaviest, pp, m, sched)
-        for name, grid in layouts(cluster, pp, dp):
-            out.append(Config(bound, pp, dp, m, sched, name, grid))
+        counts = thread_counts(cluster, pp * dp) if threads_for is not None else [own]
+        for t in counts:
+            if t not in variants:
+                assert threads_for is not None
+                variants[t] = threads_for(t)
+            full, prof_for = variants[t]
+            if (t, b) not in fastest:
+                fastest[(t, b)] = _work(prof_for, full, b)
+            total, heaviest = fastest[(t, b)]
+            bound = work_bound(total, heaviest, pp, m, sched)
+            used = full
+            if cpu:
+                bound = max(bound, shared_cores_bound(total, pp, dp, m, t, full.cores_per_node))
+                used = _first(full, pp * dp)
+            label = f", {t} thread{'s' if t != 1 else ''} per process" if cpu else ""
+            for name, grid in layouts(used, pp, dp):
+                out.append(Config(bound, pp, dp, m, sched, t, name + label, grid, used, prof_for))
     out.sort()
     return out
+
+
+def _first(cluster: Cluster, n: int) -> Cluster:
+    """The first ``n`` processes of a local CPU cluster: what a plan on n of them runs on."""
+    if n == cluster.n_devices:
+        return cluster
+    devices = cluster.devices[:n]
+    return dataclasses.replace(cluster, name=f"{n}x{devices[0].device.key}", devices=devices)
 
 
 def _work(profile_for: ProfileFor, cluster: Cluster, b: int) -> tuple[float, float]:

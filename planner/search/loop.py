@@ -39,8 +39,15 @@ from planner.options import SearchOptions, Training
 from planner.plan.sections import Candidate
 from planner.plan.text import first_line
 from planner.search import baselines
-from planner.search.configurations import Config, ProfileFor, bounded, configurations
-from planner.search.messages import nothing_fits, plan_warnings
+from planner.search.configurations import (
+    Config,
+    ProfileFor,
+    ThreadsFor,
+    bounded,
+    configurations,
+    local_cpu,
+)
+from planner.search.messages import fewer_processes, nothing_fits, plan_warnings
 from planner.search.partition import partition_problem, step_problem
 from planner.search.ranking import candidate, ranked
 from planner.solve.partition import solve_partition
@@ -89,6 +96,7 @@ def search(
     allowed_starts: frozenset[int] | None = None,
     block_names: list[str] | None = None,
     n_blocks: int,
+    threads_for: ThreadsFor | None = None,
     progress: Progress | None = None,
 ) -> SearchResult:
     """Find the configuration and placement with the shortest predicted step.
@@ -96,6 +104,10 @@ def search(
     ``progress``: called as ``progress("searching N configurations", done, N, note)``
     before each configuration and once at the end (``done == N``), the note naming the
     best so far ("best pp 2 × dp 4, m 8, 1f1b: 12.3 ms"); see ``planner.report.progress``.
+
+    ``threads_for``: on a local CPU cluster, the cluster and profiles at other torch
+    thread counts ([Note: fewer CPU processes]); the winner's ``cost.cluster`` is then
+    the processes it runs on, with their threads.
 
     Raises:
         ValueError: no configuration is possible (the message says why for the
@@ -108,7 +120,7 @@ def search(
     solved: list[SearchResult] = []
     best_ms = math.inf
     oom_costs: list[CostModel] = []  # for the message when nothing fits
-    laid = bounded(profile_for, cluster, training, configs)
+    laid = bounded(profile_for, cluster, training, configs, threads_for)
     phase = f"searching {len(laid)} configurations"
     for k, cfg in enumerate(laid):
         if progress is not None:
@@ -121,8 +133,8 @@ def search(
             pp=cfg.pp, dp=cfg.dp, micro_batches=cfg.m, schedule=cfg.schedule, ranks=cfg.grid
         )
         b = training.global_batch // (cfg.dp * cfg.m)
-        types = sorted({cluster.devices[r].device.key for st in cfg.grid for r in st})
-        cost = CostModel({t: profile_for(t, b) for t in types}, cluster, training, layout)
+        types = sorted({cfg.cluster.devices[r].device.key for st in cfg.grid for r in st})
+        cost = CostModel({t: cfg.profile_for(t, b) for t in types}, cfg.cluster, training, layout)
         try:
             ceiling = best_ms if math.isfinite(best_ms) else None
             sol = place(
@@ -150,8 +162,12 @@ def search(
     best_ms = best.prediction.step_ms
     if progress is not None:
         progress(phase, len(laid), len(laid), _best_note([best]))
-    best.candidates = ranked([c for _, c in tried], best.layout, best_ms, options.keep)
+    single = local_cpu(cluster)  # [Note: fewer CPU processes]: say why it beat one process
+    best.candidates = ranked(
+        [c for _, c in tried], best.layout, best_ms, options.keep, single=single
+    )
     best.warnings = plan_warnings(best.layout, best.solution, best.prediction, options)
+    best.warnings += fewer_processes(best.cost.cluster, cluster)
     return best
 
 
@@ -182,12 +198,13 @@ def _proven(
     sol = place(best.cost, options, allowed, prove=True, starts=[best.starts], closed_form=False)
     pred = best.cost.predict(sol.starts)
     for k, (cfg, cand) in enumerate(tried):
-        same = (cfg.pp, cfg.dp, cfg.m, cfg.schedule, cfg.grid) == (
+        same = (cfg.pp, cfg.dp, cfg.m, cfg.schedule, cfg.grid, cfg.cluster) == (
             best.layout.pp,
             best.layout.dp,
             best.layout.micro_batches,
             best.layout.schedule,
             best.layout.ranks,
+            best.cost.cluster,
         )
         if same and cand.step_ms is not None:
             tried[k] = (cfg, dataclasses.replace(cand, step_ms=pred.step_ms))

@@ -13,7 +13,7 @@ from planner.plan.sections import Candidate
 from planner.solve.problem import format_bytes
 from planner.solve.step_problem import StepSolution
 
-__all__ = ["nothing_fits", "nothing_possible", "plan_warnings"]
+__all__ = ["fewer_processes", "nothing_fits", "nothing_possible", "plan_warnings"]
 
 
 def plan_warnings(
@@ -52,6 +52,21 @@ def plan_warnings(
                 f"{st.capacity / 2**30:.2f} GiB usable: little room for fragmentation"
             )
     return out
+
+
+def fewer_processes(used: Cluster, given: Cluster) -> list[str]:
+    """A note when the plan runs on fewer local CPU processes than were given (or with other
+    threads): [Note: fewer CPU processes]."""
+    n, k = given.n_devices, used.n_devices
+    t0, t = given.devices[0].threads, used.devices[0].threads
+    if (n, t0) == (k, t):
+        return []
+    return [
+        f"runs {k} of the {n} CPU processes given, {t} torch thread{'s' if t != 1 else ''} "
+        f"each (given: {t0}): they share this machine's {given.cores_per_node} cores, and "
+        f"this is the fastest predicted split of them (the candidates say by how much); pin "
+        f"--pp and --dp to use more"
+    ]
 
 
 def nothing_possible(

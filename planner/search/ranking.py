@@ -28,16 +28,28 @@ def candidate(cfg: Config, step_ms: float | None, status: str, reason: str) -> C
     )
 
 
-def ranked(tried: Sequence[Candidate], best: Layout, best_ms: float, keep: int) -> list[Candidate]:
+def ranked(
+    tried: Sequence[Candidate],
+    best: Layout,
+    best_ms: float,
+    keep: int,
+    *,
+    single: bool = False,
+) -> list[Candidate]:
     """The ``keep`` candidates the plan records, the solved ones fastest first.
 
     The chosen one is marked "chosen", the other solved ones "slower" with how
     much; room is kept for one that ran out of memory and one that was pruned,
     so the table shows why they lost; then whatever is left fills up.
+
+    ``single`` (local CPU processes, [Note: fewer CPU processes]): the best
+    one-process candidate (pp 1 × dp 1) is kept too, and a chosen plan on more
+    processes says how much faster than it it is predicted.
     """
     solved = sorted(
         (c for c in tried if c.step_ms is not None), key=lambda c: (c.step_ms, c.pp, c.dp)
     )
+    one = _one_process(tried) if single else None
     out: list[Candidate] = []
     chosen = False
     for c in solved:
@@ -49,7 +61,12 @@ def ranked(tried: Sequence[Candidate], best: Layout, best_ms: float, keep: int) 
             best.schedule,
         )
         if not chosen and c.step_ms == best_ms and same:
-            out.append(_with(c, "chosen", f"{c.reason}: fastest predicted step"))
+            why = "fastest predicted step"
+            if one is not None and c is not one and one.step_ms is not None:
+                why += f", {one.step_ms / best_ms:.2f}× one process's {one.step_ms:.1f} ms"
+            elif one is not None and c is not one:
+                why += f", one process {one.status}: {one.reason}"
+            out.append(_with(c, "chosen", f"{c.reason}: {why}"))
             chosen = True
         else:
             slower = (c.step_ms - best_ms) / best_ms
@@ -60,8 +77,32 @@ def ranked(tried: Sequence[Candidate], best: Layout, best_ms: float, keep: int) 
     head = out[: max(keep - 2, 1)]
     tail = out[len(head) :] + oom[1:] + rest[1:]
     kept = (head + oom[:1] + rest[:1] + tail)[:keep]
+    if one is not None and not any(_same(k, one) for k in kept):
+        row = next((k for k in out if _same(k, one)), one)  # its ranked form when solved
+        kept = [*kept[: max(keep - 1, 1)], row]
     # Shown ranked: the solved ones fastest first, then the rest in the order kept.
     return [c for c in kept if c.step_ms is not None] + [c for c in kept if c.step_ms is None]
+
+
+def _one_process(tried: Sequence[Candidate]) -> Candidate | None:
+    """The best candidate on one process (pp 1 × dp 1): the fastest solved one, else the
+    first tried (the search visits them best bound first)."""
+    ones = [c for c in tried if c.pp == 1 and c.dp == 1]
+    timed = [c for c in ones if c.step_ms is not None]
+    if timed:
+        return min(timed, key=lambda c: c.step_ms or 0.0)
+    return ones[0] if ones else None
+
+
+def _same(a: Candidate, b: Candidate) -> bool:
+    """The same configuration and layout (``reason`` starts with the layout's name)."""
+    return (a.pp, a.dp, a.micro_batches, a.schedule, a.step_ms) == (
+        b.pp,
+        b.dp,
+        b.micro_batches,
+        b.schedule,
+        b.step_ms,
+    ) and a.reason.startswith(b.reason.split(":")[0])
 
 
 def _with(c: Candidate, status: str, reason: str) -> Candidate:
