@@ -129,12 +129,8 @@ def search(
             why = f"lower bound {cfg.bound:.1f} ms ≥ best {best_ms:.1f} ms"
             tried.append((cfg, candidate(cfg, None, "pruned", why)))
             continue
-        layout = Layout(
-            pp=cfg.pp, dp=cfg.dp, micro_batches=cfg.m, schedule=cfg.schedule, ranks=cfg.grid
-        )
-        b = training.global_batch // (cfg.dp * cfg.m)
-        types = sorted({cfg.cluster.devices[r].device.key for st in cfg.grid for r in st})
-        cost = CostModel({t: cfg.profile_for(t, b) for t in types}, cfg.cluster, training, layout)
+        cost = _cost_model(cfg, training)
+        layout = cost.layout
         try:
             ceiling = best_ms if math.isfinite(best_ms) else None
             sol = place(
@@ -169,6 +165,16 @@ def search(
     best.warnings = plan_warnings(best.layout, best.solution, best.prediction, options)
     best.warnings += fewer_processes(best.cost.cluster, cluster)
     return best
+
+
+def _cost_model(cfg: Config, training: Training) -> CostModel:
+    """The cost model of one laid configuration (profiles of each device type it uses)."""
+    layout = Layout(
+        pp=cfg.pp, dp=cfg.dp, micro_batches=cfg.m, schedule=cfg.schedule, ranks=cfg.grid
+    )
+    b = training.global_batch // (cfg.dp * cfg.m)
+    types = sorted({cfg.cluster.devices[r].device.key for st in cfg.grid for r in st})
+    return CostModel({t: cfg.profile_for(t, b) for t in types}, cfg.cluster, training, layout)
 
 
 def _best_note(solved: list[SearchResult]) -> str:
