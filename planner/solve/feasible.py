@@ -16,16 +16,15 @@ def _reach(c: SegmentCosts, wcap: float) -> tuple[list[list[int]], int | None]:
 
     Returns (reach per stage, the last stage's chosen start or None if the last
     stage cannot finish). The ends of stage s form a union of runs (a, bmax(a)]
-    with bmax non-decreasing in a (monotone costs), so one sweep per stage does.
+    with bmax non-decreasing in a (monotone costs), so one sweep per stage does
+    (:meth:`SegmentCosts.ends` walks each from the last).
     """
     R: list[list[int]] = [[0]]
     for s in range(c.S - 1):
         nxt: list[int] = []
         b = covered = 0
         for a in R[s]:
-            b = max(b, a)
-            while b < c.hi(s + 1) and c.fits(s, a, b + 1, wcap):
-                b += 1
+            b = max(b, a, c.ends(s, a, wcap).stop - 1)
             nxt.extend(e for e in range(max(a, covered) + 1, b + 1) if c.cut(s, e) <= wcap)
             covered = max(covered, b)
         R.append(nxt)
@@ -35,8 +34,13 @@ def _reach(c: SegmentCosts, wcap: float) -> tuple[list[list[int]], int | None]:
     return R, (last if c.fits(c.S - 1, last, c.K, wcap) else None)
 
 
-def check_feasible(c: SegmentCosts) -> None:
-    """Raise PartitionInfeasible naming the constraint family that cannot be met."""
+def check_feasible(c: SegmentCosts, *, reach: bool = True) -> None:
+    """Raise PartitionInfeasible naming the constraint family that cannot be met.
+
+    ``reach=False``: only the checks that cost O(K) (split points, each run
+    between them fitting some stage); whether whole placements fit is then
+    left to :func:`heuristic`, which finds one or raises through this check.
+    """
     p, S, K = c.p, c.S, c.K
     if S > K:
         if p.allowed_starts is None:
@@ -62,6 +66,8 @@ def check_feasible(c: SegmentCosts) -> None:
             "  fix: recompute activations, use fewer samples per micro-batch, split the block, "
             "or give the stage a device with more memory"
         )
+    if not reach:
+        return
     R, last = _reach(c, math.inf)
     if last is not None:
         return
@@ -162,14 +168,24 @@ def _min_sum_path(c: SegmentCosts, wcap: float) -> list[int] | None:
 def heuristic(c: SegmentCosts, deadline: float = math.inf) -> list[int] | None:
     """Bisect the least feasible bottleneck, then take min-sum placements under it.
 
+    The bracket is found by doubling from the work of an even split (every
+    cap asked only walks segments up to about twice the answer, not the whole
+    chain); when no cap fits, neither does any placement and
+    :func:`check_feasible` says why (PartitionInfeasible).
+
     Returns position indices (K appended), or None if the deadline passed first.
     """
-    hi = max(
-        max(c.w(s, 0, c.K) for s in range(c.S)),
-        *(c.cut(s, b) for s in range(c.S - 1) for b in range(s + 1, c.hi(s + 1) + 1)),
-        0.0,
-    )
+    w_max = max(c.w(s, 0, c.K) for s in range(c.S))
+    hi = w_max / c.S if w_max > 0 else 1.0
     lo = 0.0
+    checked = False
+    while _reach(c, hi)[1] is None:
+        lo, hi = hi, 2 * hi
+        if hi > w_max and not checked:
+            checked = True
+            if _reach(c, math.inf)[1] is None:
+                check_feasible(c)  # raises: no cap lets a placement through
+                raise PartitionInfeasible("no placement fits every stage's memory")
     for _ in range(60):
         if time.perf_counter() > deadline:
             return None
@@ -208,7 +224,7 @@ def heuristic_partition(problem: PartitionProblem) -> tuple[int, ...]:
         PartitionInfeasible: no placement fits (the message names why).
     """
     c = SegmentCosts(problem)
-    check_feasible(c)
+    check_feasible(c, reach=False)
     idx = heuristic(c)
     assert idx is not None
     return c.starts(idx)

@@ -100,7 +100,7 @@ def solve_partition(
     _check_limits(time_limit_s, threads)
     deadline = t0 + time_limit_s if time_limit_s is not None else math.inf
     c = SegmentCosts(problem)
-    check_feasible(c)
+    check_feasible(c, reach=False)  # the rest: the heuristic finds a placement or raises
     first = _incumbent(c, warm_start, deadline, t0, time_limit_s)
     segs = prune(c, c.objective(first), first, deadline, rounds=prune_rounds)
     incumbent = segs.incumbent  # the pruning's DP sweeps may have found a better one

@@ -180,15 +180,13 @@ _Family = list[tuple[float, float, float, float, Table, Table]]
 def _first_layers(c: SegmentCosts, U: float) -> list[Layer]:
     """Every segment with y ≤ U/m that fits its stage's memory, walked forward so that only
     reachable starts are walked (any stage forces T ≥ m·y)."""
-    inf = math.inf
     layers: list[Layer] = []
     reach, wcap = {0}, U / c.m * (1 + TOL)
     for s in range(c.S):
         layer: Layer = {}
-        ok = range(s + 1, c.hi(s + 1) + 1) if s < c.S - 1 else range(c.K, c.K + 1)
-        cuts = [c.cut(s, b) if b in ok else inf for b in range(c.K + 1)]
-        for a in sorted(reach):
-            row = [(b, c.w(s, a, b), cuts[b], -1.0) for b in c.ends(s, a, wcap) if cuts[b] <= wcap]
+        for a in sorted(reach):  # ends lie in s + 1 .. hi(s + 1), the last stage's at K
+            cuts = [(b, c.cut(s, b)) for b in c.ends(s, a, wcap)]
+            row = [(b, c.w(s, a, b), cut, -1.0) for b, cut in cuts if cut <= wcap]
             if row:
                 layer[a] = row
         layers.append(layer)

@@ -40,6 +40,8 @@ class SegmentCosts:
         self._r: dict[int, float] = {}
         self._mem: dict[int, float] = {}
         self._cut: dict[int, float] = {}
+        self._top: dict[int, tuple[float, int, int]] = {}  # stage -> last (wcap, a, end) walked
+        self._fit: dict[int, tuple[int, int]] = {}  # stage -> a run (a, b) known to fit
 
     def hi(self, s: int) -> int:
         return self.K - self.S + s
@@ -88,23 +90,56 @@ class SegmentCosts:
     def ends(self, s: int, a: int, wcap: float) -> range:
         """Ends b of stage s's segments from a with work ≤ wcap that fit its memory.
 
-        Work is walked end by end (every value is needed later anyway); memory,
-        asked per stage, is bisected. Both are monotone in b, so the ends form
-        a range.
+        Both are monotone in b, so the ends form a range, and its end does not
+        fall as a grows: callers that ask the starts of a stage in increasing
+        order (every one here) get each end walked from the last answer's, and
+        memory asked about once per run of starts (see :meth:`_mem_end`).
         """
         if s == self.S - 1:
             return range(self.K, self.K + 1) if self.fits(s, a, self.K, wcap) else range(0)
+        hi = self.hi(s + 1)
         top = a
-        while top < self.hi(s + 1) and self.w(s, a, top + 1) <= wcap:
+        last = self._top.get(s)
+        if last is not None and last[0] == wcap and last[1] <= a:
+            top = max(a, last[2])  # w(s, a, top) ≤ w(s, last a, top) ≤ wcap
+        while top < hi and self.w(s, a, top + 1) <= wcap:
             top += 1
-        lo, hi = a, top  # memory holds at lo (vacuously), find the last b ≤ top where it holds
+        self._top[s] = (wcap, a, top)
+        return range(a + 1, self._mem_end(s, a, top) + 1)
+
+    def _mem_end(self, s: int, a: int, top: int) -> int:
+        """The last end b ≤ top with [a, b) in stage s's memory (a if none).
+
+        A run that fits has every sub-run fit, so a fitting [a', b') with a' ≤ a
+        answers every b ≤ b' without asking. When memory must be asked, a run
+        twice as long is asked first: when it fits, it answers the next starts
+        too (one question per run of starts instead of one per start).
+        """
+        if top <= a:
+            return a
+        known = self._fit.get(s)
+        if known is not None and known[0] <= a and top <= known[1]:
+            return top
+        cap = self.cap[s]
+        ahead = min(self.hi(s + 1), top + (top - a))
+        if ahead > top and self.mem(s, a, ahead) <= cap:
+            self._fit[s] = (a, ahead)
+            return top
+        if self.mem(s, a, top) <= cap:
+            self._fit[s] = (a, top)
+            return top
+        lo, hi = a, top - 1  # memory holds at lo (vacuously), find the last b < top where it holds
+        if known is not None and known[0] <= a:
+            lo = max(lo, min(known[1], hi))
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.mem(s, a, mid) <= self.cap[s]:
+            if self.mem(s, a, mid) <= cap:
                 lo = mid
             else:
                 hi = mid - 1
-        return range(a + 1, lo + 1)
+        if lo > a:
+            self._fit[s] = (a, lo)
+        return lo
 
     def indices(self, starts: Sequence[int]) -> list[int]:
         """Position indices of a placement (with K appended); ValueError if malformed."""
