@@ -44,6 +44,16 @@ def test_case15_plan_file_unknown_version(env: Env) -> None:
     assert "fix: regenerate the plan with `planner plan`" in err
 
 
+def _two_stage_plan(env: Env) -> dict:
+    """A good 2-stage MLP plan as plain data, its file and the profile cache removed
+    (each edit below is written back and must be refused by itself)."""
+    env.planned(env.write(MLP), "--gpus", 2, *A100, "--pp", 2)
+    good = yaml.safe_load(env.out.read_text())
+    env.out.unlink()
+    shutil.rmtree(env.cache)
+    return good
+
+
 def test_case15_plan_file_missing(env: Env) -> None:
     missing = env.tmp / "nope.yaml"
     err = env.refused(missing, command="show")
@@ -51,10 +61,7 @@ def test_case15_plan_file_missing(env: Env) -> None:
 
 
 def test_case15_plan_file_edited_badly(env: Env) -> None:
-    env.planned(env.write(MLP), "--gpus", 2, *A100, "--pp", 2)
-    good = yaml.safe_load(env.out.read_text())
-    env.out.unlink()
-    shutil.rmtree(env.cache)
+    good = _two_stage_plan(env)
     edits: list[tuple[Callable[[dict], object], str]] = [
         (lambda d: d["layout"].update(pp="two"), "layout.pp: expected an integer, got str 'two'"),
         (lambda d: d["stages"][1].pop("ranks"), "stages[1].ranks: missing (expected a list of"),
@@ -136,10 +143,7 @@ def test_case15_plan_file_too_large_or_not_a_file(env: Env) -> None:
 
 
 def test_case15_plan_file_split_point_blocks_and_micro_batches_disagree(env: Env) -> None:
-    env.planned(env.write(MLP), "--gpus", 2, *A100, "--pp", 2)
-    good = yaml.safe_load(env.out.read_text())
-    env.out.unlink()
-    shutil.rmtree(env.cache)
+    good = _two_stage_plan(env)
     first, second = good["stages"][0]["blocks"], good["stages"][1]["blocks"]
     split = good["stages"][1]["split_point"]
     edits: list[tuple[Callable[[dict], object], str]] = [
