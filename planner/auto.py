@@ -138,6 +138,7 @@ def _resolve(
         training_kw, search_kw, profile_kw = _split_options(plan_options)
         if world == 1:
             search_kw.update(pp=1, dp=1)
+        search_kw.setdefault("every_device", True)  # the job's process count is fixed
         pp, dp = search_kw.get("pp"), search_kw.get("dp")
         if pp is not None and dp is not None and pp * dp != world:
             raise ValueError(

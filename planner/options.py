@@ -96,6 +96,12 @@ class SearchOptions:
     )
     max_micro_batches: int = option(64, help="the largest micro-batch count considered", cli=False)
     keep: int = option(12, help="how many candidates the plan records", cli=False)
+    every_device: bool = option(
+        False,
+        help="pp × dp = every device, also on a local CPU cluster (a job whose process "
+        "count is fixed: auto_parallel under torchrun)",
+        cli=False,
+    )
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "micro_batches", "max_micro_batches", "keep"):

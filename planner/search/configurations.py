@@ -10,9 +10,10 @@ and the search visits them best bound first.
 local CPU share its cores, so fewer of them, each with more torch threads, can
 be faster (one process on both cores of a 2-core machine beat every pipelined
 run by 1.45–2.05×, bench/results/runtime.json): on a local CPU cluster
-(:func:`local_cpu`) pp · dp may be any count up to the processes given, and
-each configuration is also tried with every thread count t dividing the cores
-with pp · dp · t ≤ cores (besides the cluster's own), each priced from a
+(:func:`local_cpu`) pp · dp may be any count up to the processes given (unless
+``SearchOptions.every_device``: auto_parallel under torchrun, whose process count is
+fixed), and each configuration is also tried with every thread count t dividing
+the cores with pp · dp · t ≤ cores (besides the cluster's own), each priced from a
 profile measured at t threads (``ThreadsFor``). The single process is always
 among them, so a pipelined CPU plan is only chosen when predicted faster.
 
@@ -157,7 +158,7 @@ def configurations(
     rejected: list[Rejection] = []
     out: list[tuple[int, int, int, str]] = []
     n_dev = cluster.n_devices
-    fewer = local_cpu(cluster)  # [Note: fewer CPU processes]
+    fewer = local_cpu(cluster) and not options.every_device  # [Note: fewer CPU processes]
     if n_blocks is None:
         max_stages = n_dev
     else:
