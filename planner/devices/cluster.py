@@ -333,12 +333,15 @@ class Cluster:
         def run(d: ClusterDevice) -> tuple[str, int, int]:
             return d.device.key, d.device.memory_bytes, d.threads
 
-        nodes = []
+        nodes: list[NodeRecord] = []
         for _, node in itertools.groupby(self.devices, key=lambda d: d.node):
             runs = itertools.groupby(node, key=run)
-            groups = (DeviceGroup(type=k, count=len(list(same)), memory_bytes=m, threads=t)
-                      for (k, m, t), same in runs)  # fmt: skip
-            nodes.append(NodeRecord(devices=tuple(groups)))
+            groups = tuple(DeviceGroup(type=k, count=len(list(same)), memory_bytes=m, threads=t)
+                           for (k, m, t), same in runs)  # fmt: skip
+            if nodes and nodes[-1].devices == groups:  # equal nodes in a row: one record
+                nodes[-1] = NodeRecord(devices=groups, repeat=nodes[-1].repeat + 1)
+            else:
+                nodes.append(NodeRecord(devices=groups))
         return ClusterRecord(
             name=self.name,
             backend=self.backend,
@@ -359,7 +362,7 @@ class Cluster:
     @functools.cached_property
     def _summary(self) -> str:
         summary = functools.cache(_node_summary)  # equal nodes are summed up once
-        layouts = [summary(node) for node in self._record.nodes]
+        layouts = [summary(node) for node in self._record.nodes for _ in range(node.repeat)]
         plural = "s" if self.n_nodes > 1 else ""
         if len(set(layouts)) == 1:
             text = f"{self.n_nodes} node{plural} × {layouts[0]}"

@@ -122,7 +122,7 @@ class _Format:
     memory_unit: float  # bytes per unit of memory_key
     links: Mapping[str, tuple[str, int]]  # file key -> (Cluster field, SI = value·10^exp)
     top_keys: tuple[str, ...]
-    short_form: bool  # nodes may be one group with `type:`, and may `repeat:`
+    short_form: bool  # a node may be one group written with `type:` (both forms may `repeat:`)
     units: Mapping[str, str]  # "memory", "bandwidth", "latency" -> the file's unit
 
 
@@ -286,7 +286,7 @@ class _Parser:
                 "has both 'type:' and 'devices:'; use the short form (type, count) or the "
                 "long form (devices: [...]), not both",
             )
-        raw = self.mapping(path, raw, ["devices", "repeat"] if short else ["devices"])
+        raw = self.mapping(path, raw, ["devices", "repeat"])
         groups = raw.get("devices")
         if not isinstance(groups, list) or not groups:
             raise self.error(

@@ -28,7 +28,9 @@ fingerprint (:mod:`planner.plan.fingerprint`) and records the simulation's
 inputs; 2 and 1 identified it by a hash of its traced graph, which nothing
 computes any more: their fingerprint reads as None, and the runtime checks
 such plans by their parameter names and shapes. 1 also recorded
-``solver.solve_s``. All three are read (:mod:`planner.plan.files`).
+``solver.solve_s``. All three are read (:mod:`planner.plan.files`). A cluster
+node may carry ``repeat`` (that many equal nodes in a row, one record for
+them); files that list every node read the same.
 """
 
 from __future__ import annotations

@@ -76,9 +76,14 @@ class DeviceGroup(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class NodeRecord(Record):
-    """One node: its devices, group by group, in rank order."""
+    """One node: its devices, group by group, in rank order; ``repeat`` identical nodes in a row.
+
+    A cluster of 10,000 equal nodes is one record with ``repeat: 10000``, so the
+    plan file stays a few lines long whatever the cluster's size.
+    """
 
     devices: tuple[DeviceGroup, ...]
+    repeat: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +122,7 @@ class ClusterRecord(Record):
     @functools.cached_property
     def _starts(self) -> tuple[list[int], list[DeviceGroup]]:
         """The first rank of each group, then the total; and the groups, in rank order."""
-        groups = [g for node in self.nodes for g in node.devices]
+        groups = [g for node in self.nodes for _ in range(node.repeat) for g in node.devices]
         return [0, *itertools.accumulate(g.count for g in groups)], groups
 
 

@@ -53,10 +53,56 @@ def test_record_groups_equal_devices():
                     "memory_bytes": get_device("v100-32gb").memory_bytes,
                     "threads": 0,
                 },
-            ]
+            ],
+            "repeat": 1,
         }
     ]
     assert data["links"]["intra_node_bandwidth"] == 16e9
+
+
+def test_record_writes_equal_nodes_in_a_row_once():
+    mixed = {
+        "nodes": [
+            {"type": "h100", "count": 8, "repeat": 3},
+            {"type": "a100", "count": 4},
+            {"type": "h100", "count": 8},
+            {"type": "h100", "count": 8},
+        ]
+    }
+    c = parse_cluster(mixed)
+    data = encode(c.to_record())
+    assert [(n["devices"][0]["type"], n["repeat"]) for n in data["nodes"]] == [
+        ("h100", 3),
+        ("a100-80gb", 1),
+        ("h100", 2),
+    ]
+    back = from_record(yaml.safe_load(yaml.safe_dump(data)))
+    assert back == c and back.n_nodes == 6 and back.n_devices == 44
+    assert back.describe() == c.describe()
+    record = c.to_record()
+    assert [record.device(r).type for r in (0, 23, 24, 27, 28, 43)] == [
+        "h100", "h100", "a100-80gb", "a100-80gb", "h100", "h100",
+    ]  # fmt: skip
+    assert record.device(44) is None
+    # 10,000 nodes: one record, a few lines of YAML, not 10,000 of them.
+    big = parse_cluster({"nodes": [{"type": "h100", "count": 1, "repeat": 10_000}]})
+    text = yaml.safe_dump(encode(big.to_record()))
+    assert len(text.splitlines()) < 20 and from_record(yaml.safe_load(text)) == big
+
+
+@pytest.mark.parametrize(
+    ("repeat", "match"),
+    [
+        (0, r"cluster\.nodes\[0\]\.repeat: must be a whole number >= 1, got 0"),
+        ("2", r"cluster\.nodes\[0\]\.repeat"),
+        (20_000, r"cluster\.nodes\[0\]: brings the cluster to 160,000 devices"),
+    ],
+)
+def test_record_repeat_is_checked(repeat, match):
+    data = encode(from_gpus(16, "h100").to_record())
+    data["nodes"][0]["repeat"] = repeat
+    with pytest.raises(ValueError, match=match):
+        from_record(data)
 
 
 @pytest.mark.parametrize(
@@ -66,8 +112,8 @@ def test_record_groups_equal_devices():
         (lambda d: d["nodes"][0].update(type="h100"), r"cluster\.nodes\[0\]\.type: unknown key"),
         (lambda d: d["links"].update(intra_node_gbs=1), r"cluster\.links\.intra_node_gbs"),
         (
-            lambda d: d["nodes"][1]["devices"][0].update(threads=2),
-            r"cluster\.nodes\[1\]\.devices\[0\]\.threads: only CPU",
+            lambda d: d["nodes"][0]["devices"][0].update(threads=2),
+            r"cluster\.nodes\[0\]\.devices\[0\]\.threads: only CPU",
         ),
     ],
 )
