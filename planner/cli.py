@@ -5,7 +5,10 @@ The flags of every knob are generated from the option dataclasses
 dataclasses the Python API takes, calls the API, and prints. Only what is the
 command line's own is declared here (the model file, where to write, the
 cluster flags). Errors a user can fix print one message (what, why, how to
-fix) and exit with status 1; no traceback (``-v`` adds the original one). A
+fix) and exit with status 1; no traceback (``-v`` adds the original one). Any
+other error (a model's RuntimeError, MemoryError, a planner bug) and a
+``sys.exit`` in the model's code are named the same way (``planner.plan.unexpected``),
+with the original type and message. A
 failed ``planner plan`` leaves no files behind: no plan, and no profile-cache
 entry.
 """
@@ -63,6 +66,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             ns.verbose,
         )
         return 1
+    except SystemExit as exc:  # nothing of ours exits inside a command: the model's code did
+        _print_error(_exited(exc, getattr(ns, "model_file", None)), exc, ns.verbose)
+        return 1
+    except Exception as exc:  # RuntimeError, MemoryError, a bug: named, never swallowed
+        from planner.plan.unexpected import explain
+
+        _print_error(explain(exc, getattr(ns, "model_file", None)), exc, ns.verbose)
+        return 1
+
+
+def _exited(exc: SystemExit, model_file: str | None) -> str:
+    """The error for a ``sys.exit`` inside a command (a model's forward, say)."""
+    from planner.plan.modelimport import exit_site
+
+    call, where, mine = exit_site(exc, model_file)
+    who = f"the model file {model_file}" if mine else "code the planner called"
+    return (
+        f"{who} called {call} at {where}\n"
+        "  why: a model file's code must return or raise, not exit: the planner cannot "
+        "finish the plan, or say why it stopped, when the process is ended under it\n"
+        "  fix: return normally (or raise an exception that says what is wrong) instead of "
+        "calling sys.exit"
+    )
 
 
 def _user_errors() -> tuple[type[Exception], ...]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from planner import cache as _cache
 from planner.cost.model import Prediction
@@ -31,6 +32,8 @@ from planner.plan.sections import (
     StagePlan,
     TrainingPlan,
 )
+from planner.plan.unexpected import add_where
+from planner.profile.finite import nonfinite_warning
 from planner.profile.sizes import Sampler, SizedProfiles
 from planner.profile.timing import Progress
 from planner.search.configurations import ProfileFor, ThreadsFor, configurations, local_cpu
@@ -95,10 +98,12 @@ def plan_model(
     check_solver(options.search.solver)  # fail before minutes of profiling, not after
     with _cache.deferred():
         sizes = _micro_batch_sizes(cluster, training, options.search)
+        if "cpu" in cluster.device_types:  # measured here: real tensors needed
+            _check_real(model, sampler, min(sizes))
         profiles = SizedProfiles(
             model, sampler, loss_fn, cluster, training, options.profile, sizes, progress
         )
-        base = profiles.first()
+        base = _first(profiles, max(sizes))
         names = [b.name for b in base.blocks]
         try:
             result = search(
@@ -114,7 +119,21 @@ def plan_model(
         except ValueError as exc:
             _explain_excluded(exc, base)
             raise
-        return _assemble(result, base, cluster, options, profiles, model, model_file)
+        except Exception as exc:
+            add_where(exc, f"searching the placements of {len(base.blocks)} blocks")
+            raise
+        measured = base.source == "measured"  # it ran real values: were they finite?
+        finite = nonfinite_warning(model, sampler, loss_fn, min(sizes)) if measured else None
+        return _assemble(result, base, cluster, options, profiles, model, model_file, finite)
+
+
+def _first(profiles: SizedProfiles, b: int) -> ModelProfile:
+    """The first profile; an unexpected error gets the phase noted (``planner.plan.unexpected``)."""
+    try:
+        return profiles.first()
+    except Exception as exc:
+        add_where(exc, f"profiling the model at micro-batch {b}")
+        raise
 
 
 def _threads_for(cluster: Cluster, profiles: SizedProfiles) -> ThreadsFor:
@@ -144,6 +163,28 @@ def _explain_excluded(exc: ValueError, base: ModelProfile) -> None:
         "boolean masks) inside one module (or pad them to a fixed size), so that the point "
         "becomes legal.",
         *exc.args[1:],
+    )
+
+
+def _check_real(model: nn.Module, sampler: Sampler, b: int) -> None:
+    """Refuse meta tensors for a measured profile: they have shapes and no values to time."""
+    tensors = [*model.parameters(), *model.buffers()]
+    on_meta = sum(t.is_meta for t in tensors)
+    batch = [t for t in tree_leaves(sampler(b)[:2]) if isinstance(t, torch.Tensor)]
+    batch_meta = any(t.is_meta for t in batch)
+    if not on_meta and not batch_meta:
+        return
+    where = sorted({str(t.device) for t in batch}) or ["(no tensors)"]
+    model_at = f"{on_meta} of the model's {len(tensors)} parameters and buffers are on meta"
+    raise ValueError(
+        f"{model_at if on_meta else 'the model is on a real device'}, and the batch is on "
+        f"{', '.join(where)}\n"
+        "  why: this plan measures this machine's CPU (--gpus without --device-type, or a "
+        "cpu cluster), which times real tensors; meta tensors have shapes but no values "
+        "(nothing to run)\n"
+        "  fix: build the model and draw the batch on a real device (no `torch.device('meta')` "
+        "in build_model or sample_batch), or plan analytically for a catalogue device (e.g. "
+        "--device-type h100), which needs shapes only and works on a meta model"
     )
 
 
@@ -181,10 +222,11 @@ def _assemble(
     profiles: SizedProfiles,
     model: nn.Module,
     model_file: str | None,
+    finite: str | None,
 ) -> Plan:
     lay, sol, pred = result.layout, result.solution, result.prediction
     training = options.training
-    warnings = list(result.warnings)
+    warnings = [*result.warnings, *([finite] if finite else [])]
     bn = _batchnorm_warning(
         model, lay.micro_batches, result.cost.micro_batch_size, training, lay.dp
     )

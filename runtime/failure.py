@@ -2,7 +2,8 @@
 
 A worker that fails anywhere prints one line, ``[rank R rX sY] failed at step
 N: <error>``, records the error for torchrun's summary (which prints the root
-cause's traceback once, at the end), tears its process group down and exits
+cause's traceback once, at the end; for an expected refusal, its whole message
+and no traceback), tears its process group down and exits
 with status 1 at once (:func:`fail`). A worker that succeeds waits for the
 others and tears down under a watchdog (:func:`finish`). A worker, and
 torchrun's agent, whose parent dies goes with it (:func:`die_with_parent`).
@@ -154,15 +155,27 @@ def fail(exc: BaseException) -> None:
             f"\n{Where.prefix} (a communication error: most likely another rank failed "
             "or stopped answering first; its error is the root cause to fix)"
         )
+    # An expected refusal (a crafted checkpoint, a plan for another machine, a model file
+    # that exits) says what, why and the fix itself: its whole message, never a traceback.
+    refusal = f"{type(root).__name__}: {root}" if _is_refusal(root) else None
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torchrun prints the root cause's traceback once, in its summary
-        _write_error_file(error_file, exc, line if secondary else None)
+        _write_error_file(error_file, exc, line if secondary else None, callstack=refusal)
+    elif refusal is not None:
+        line = f"{Where.prefix} failed {Where.where}: {refusal}"
     else:
         traceback.print_exception(exc, file=sys.stderr)
     print(line, file=sys.stderr, flush=True)
     _teardown()
     sys.stdout.flush()
     os._exit(1)
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """A failure the runtime raises on purpose with the fix in its message: the user's input
+    refused (``ValueError``: ``CheckpointRefused``, ``PlanMismatch``, ``LockHeld``, a model file
+    breaking its contract) or the model file's ``sys.exit`` (``ModelFileExit``)."""
+    return isinstance(exc, (ValueError, ModelFileExit))
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -223,8 +236,13 @@ def _is_comm_error(exc: BaseException) -> bool:
     return any(s in text for s in ("Connection closed by peer", "Connection reset", "Timed out"))
 
 
-def _write_error_file(path: str, exc: BaseException, short: str | None) -> None:
+def _write_error_file(
+    path: str, exc: BaseException, short: str | None, *, callstack: str | None = None
+) -> None:
     """torchrun's error-file format (what ``elastic.multiprocessing.errors.record`` writes).
+
+    ``callstack``: what torchrun's summary shows as the "traceback" of an expected
+    refusal: its whole message, instead of Python's traceback.
 
     A communication error (``short`` given) is recorded as one line, one second
     later than now, and marked ``SECONDARY``: torchrun names the earliest
@@ -241,7 +259,7 @@ def _write_error_file(path: str, exc: BaseException, short: str | None) -> None:
         "message": {
             "message": f"{type(exc).__name__}: {exc}",
             "extraInfo": {
-                "py_callstack": short or "".join(traceback.format_exception(exc)),
+                "py_callstack": short or callstack or "".join(traceback.format_exception(exc)),
                 "timestamp": str(stamp),
                 SECONDARY: short is not None,
             },

@@ -14,10 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import traceback
-from pathlib import Path
 
 from planner.plan.files import load_plan
+from planner.plan.modelimport import exit_site
 from runtime.checks import check_device
 from runtime.failure import ModelFileExit, Where, die_with_parent
 from runtime.launch import COMMAND_ENV
@@ -68,26 +67,14 @@ def model_exit(exc: SystemExit, model_file: str | None) -> ModelFileExit:
     Names the model file's frame that called it (file:line in function) when
     the traceback has one.
     """
-    frames = traceback.extract_tb(exc.__traceback__)
-    mine = [f for f in frames if model_file and _same_file(f.filename, model_file)]
-    code = exc.code
-    call = f"sys.exit({code!r})" if code is not None else "sys.exit()"
+    call, where, mine = exit_site(exc, model_file)
     if mine:
-        f = mine[-1]
         return ModelFileExit(
-            f"the model file {model_file} called {call} at {Path(f.filename).name}:{f.lineno} "
-            f"in {f.name}; a model file must return or raise, not exit: the worker cannot "
-            "finish its step or tell its peers (raise an exception to stop the run)"
+            f"the model file {model_file} called {call} at {where}; a model file must return "
+            "or raise, not exit: the worker cannot finish its step or tell its peers (raise an "
+            "exception to stop the run)"
         )
-    where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}"
     return ModelFileExit(
         f"{call} was called in the run (at {where}), not by the runtime; code the model "
         "file calls must raise an exception instead, so that the run can say why it stopped"
     )
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import linecache
+import re
 import traceback
 
 from torch import nn
@@ -10,6 +11,12 @@ from torch import nn
 from planner.plan.text import first_line
 
 __all__ = ["explain_failure"]
+
+# What torch says for an operator given tensors on two devices (eager, fake or meta).
+_DEVICES = re.compile(
+    r"Expected all tensors to be on the same device|is not on the expected device|"
+    r"found at least two devices",
+)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -39,6 +46,8 @@ def explain_failure(model: nn.Module, export_exc: Exception, fx_exc: Exception) 
             "Fix: make the forward run on this input (its shapes, dtypes and batch size)."
         )
     said = str(export_exc)
+    if any(_DEVICES.search(str(e)) for e in (export_exc, fx_exc)):
+        return _device_mismatch(model, export_exc, location)
     if "in output, which is not a known type" in said and "Cache" in said:
         # transformers returns its key/value cache (a DynamicCache object) by default.
         return (
@@ -61,6 +70,38 @@ def explain_failure(model: nn.Module, export_exc: Exception, fx_exc: Exception) 
         "Fix: make the branch depend on configuration instead of tensor data, express it "
         "with tensor ops (torch.where) or torch.cond, or move the data-dependent part out "
         "of forward (e.g. into the loss or the data pipeline)."
+    )
+
+
+def _device_mismatch(model: nn.Module, exc: Exception, location: str) -> str:
+    """Tensors on two devices (a meta model with a CPU batch, say): not a tracing problem."""
+    held: dict[str, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        held[str(t.device)] = held.get(str(t.device), 0) + 1
+    on = ", ".join(f"{n} on {d}" for d, n in sorted(held.items())) or "none"
+    meta = "meta" in held
+    return (
+        "could not capture the model as a graph: its tensors are on different devices "
+        f"({type(exc).__name__}: {_first_line(exc)})\n"
+        f"{location}"
+        f"The model's parameters and buffers: {on}.\n"
+        "Why: every tensor an operator takes must be on one device; the batch the model "
+        "file's sample_batch returns is on another device than the parameters"
+        + (
+            " (meta tensors have shapes but no values: nothing can be measured on them)"
+            if meta
+            else ""
+        )
+        + ".\n"
+        "Fix: build the model and draw the batch on the same real device (no "
+        "`torch.device('meta')` in build_model, or move the batch with `.to(device)`)"
+        + (
+            "; or plan a meta model analytically for a catalogue device (e.g. --device-type "
+            "h100), which needs shapes only"
+            if meta
+            else ""
+        )
+        + "."
     )
 
 

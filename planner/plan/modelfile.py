@@ -70,7 +70,7 @@ from torch.utils.data import IterableDataset, default_collate
 
 from planner.plan.batch import Batch, normalize_inputs, tensors_in
 from planner.plan.default_loss import default_loss
-from planner.plan.modelimport import ModelFileError, contract_error, import_fresh, where
+from planner.plan.modelimport import ModelFileError, call_error, contract_error, import_fresh
 from planner.plan.text import first_line
 
 __all__ = [
@@ -127,15 +127,8 @@ class ModelFile:
         """Whether the file defines ``dataset()``: ``planner run`` then trains on it."""
         return callable(getattr(self.module, "dataset", None))
 
-    def _raised(self, call: str, exc: Exception) -> ModelFileError:
-        return contract_error(
-            self.path,
-            f"{call} raised {type(exc).__name__}{where(exc, self.path)}: {exc}",
-            "the planner needs the model and a sample batch to trace and profile it",
-            f"fix the error in {call.split('(')[0]} (the chained traceback shows the whole "
-            "stack; `planner -v` prints it); build_model is called with no arguments, so its "
-            "parameters need defaults",
-        )
+    def _raised(self, call: str, exc: BaseException, why: str = "") -> ModelFileError:
+        return call_error(self.path, call, exc, why)
 
     def build(self, *, meta: bool = False) -> nn.Module:
         """Call ``build_model()`` and check that it returned an ``nn.Module``.
@@ -301,11 +294,20 @@ class ModelFile:
         """The training loss: the file's ``loss_fn``, or :func:`default_loss`.
 
         Raises:
-            ModelFileError: ``loss_fn`` returned anything but a one-element tensor.
+            ModelFileError: ``loss_fn`` raised, or returned
+                anything but a one-element tensor.
         """
         if not self.has_loss_fn:
             return default_loss(outputs, targets)
-        value = self.module.loss_fn(outputs, targets)
+        try:
+            value = self.module.loss_fn(outputs, targets)
+        except Exception as exc:
+            raise self._raised(
+                "loss_fn(outputs, targets)",
+                exc,
+                "the planner times the loss on the model's output of the sample batch, as a "
+                "training step computes it",
+            ) from exc
         if not isinstance(value, Tensor) or value.numel() != 1:
             got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
             raise contract_error(

@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import types
 from pathlib import Path
 
-__all__ = ["EXPECTED", "ModelFileError", "contract_error", "import_fresh", "where"]
+__all__ = [
+    "EXPECTED",
+    "ModelFileError",
+    "call_error",
+    "contract_error",
+    "exit_site",
+    "import_fresh",
+    "where",
+]
 
 EXPECTED = (
     "build_model(**overrides) -> nn.Module (required), "
@@ -29,6 +38,28 @@ class ModelFileError(ValueError):
 
 def contract_error(path: Path, what: str, why: str, fix: str) -> ModelFileError:
     return ModelFileError(f"{path}: {what}\n  why: {why}\n  fix: {fix}\n  contract: {EXPECTED}")
+
+
+def call_error(path: Path, call: str, exc: BaseException, why: str = "") -> ModelFileError:
+    """The error for a model-file function that raised (or called ``sys.exit``) when called."""
+    fn = call.split("(")[0]
+    if isinstance(exc, SystemExit):  # reported as at import: the call, file:line, the fix
+        code, at, _ = exit_site(exc, path)
+        return contract_error(
+            path,
+            f"{call} called {code} at {at}",
+            "a model file must return or raise, not exit: the planner cannot finish (or "
+            "say why it stopped) when the file's code ends the process",
+            f"return from {fn} (raise an exception that says what is wrong to stop)",
+        )
+    defaults = "; build_model is called with no arguments, so its parameters need defaults"
+    return contract_error(
+        path,
+        f"{call} raised {type(exc).__name__}{where(exc, path)}: {exc}",
+        why or "the planner needs the model and a sample batch to trace and profile it",
+        f"fix the error in {fn} (the chained traceback shows the whole stack; `planner -v` "
+        "prints it)" + (defaults if fn == "build_model" else ""),
+    )
 
 
 class _FreshSourceLoader(importlib.machinery.SourceFileLoader):
@@ -104,3 +135,34 @@ def where(exc: BaseException, path: Path) -> str:
         return ""
     source = linecache.getline(str(path), found).strip()
     return f" at line {found}" + (f" (`{source}`)" if source else "")
+
+
+def exit_site(exc: SystemExit, model_file: str | Path | None) -> tuple[str, str, bool]:
+    """Who called ``sys.exit``: ``(call, where, in_model_file)`` for a ``SystemExit``.
+
+    >>> try:
+    ...     raise SystemExit(3)
+    ... except SystemExit as e:
+    ...     exit_site(e, None)[0]
+    'sys.exit(3)'
+
+    ``where`` is ``file:line in function`` of the model file's innermost frame
+    in the traceback when it has one (``in_model_file`` True), else of the
+    innermost frame. Shared by ``planner plan`` and the runtime's workers.
+    """
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if model_file and _same_file(f.filename, model_file)]
+    call = f"sys.exit({exc.code!r})" if exc.code is not None else "sys.exit()"
+    if not frames:
+        return call, "an unknown place", False
+    f = mine[-1] if mine else frames[-1]
+    return call, f"{Path(f.filename).name}:{f.lineno} in {f.name}", bool(mine)
+
+
+def _same_file(a: str, b: str | Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

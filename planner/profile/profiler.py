@@ -41,6 +41,7 @@ from planner.plan.text import first_line
 from planner.profile.analytic import OpCost
 from planner.profile.meta import has_real, meta_twin, needs_values, shapes_only_error, to_meta
 from planner.profile.ownership import Owners, param_nbytes, saved_bytes
+from planner.profile.repeats import priced
 from planner.profile.runner import BlockRunner, analytic_loss_ms, forward_pass, requires_grad
 from planner.profile.state import preserved, threads_set
 from planner.profile.timing import Progress, interpreter_ms, measure_blocks
@@ -130,10 +131,10 @@ def _shapes_only(
             twin, meta_args, meta_kwargs, meta_targets, loss_fn, options, progress, fp=fp
         )
     except Exception as exc:
-        if not real:
-            if needs_values(exc):
-                raise shapes_only_error(exc, type(model).__name__) from exc
+        if not needs_values(exc):  # the model's own error: real tensors would raise it again
             raise
+        if not real:
+            raise shapes_only_error(exc, type(model).__name__) from exc
         log.warning(
             "analytic profile on shapes alone failed (%s: %s); profiling on the real "
             "tensors instead, which allocates them",
@@ -269,7 +270,7 @@ def _times(
     progress: Progress | None,
 ) -> _Times:
     """Every block's forward and backward: priced (analytic) or timed (measured)."""
-    costs = [r.cost(device, options.dtype) for r in runners]
+    costs = priced(runners, device, options.dtype)  # [Note: repeated blocks]
     fwd, bwd = [c[0] for c in costs], [c[1] for c in costs]
     if options.analytic:
         loss = (0.0, 0.0)

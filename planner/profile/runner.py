@@ -20,6 +20,8 @@ from planner.capture.subgraph import extract
 from planner.capture.trace import Captured
 from planner.devices.catalogue import Device
 from planner.plan.pieces import clone_written_inputs
+from planner.plan.text import few
+from planner.plan.unexpected import add_where
 from planner.profile.analytic import OpCost, OpCostMode
 
 __all__ = [
@@ -43,18 +45,30 @@ def forward_pass(
 
     class _Run(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
-            if n.op in ("call_function", "call_method", "call_module"):
-                with mode.phase(n.name):
+            try:
+                if n.op in ("call_function", "call_method", "call_module"):
+                    with mode.phase(n.name):
+                        result = super().run_node(n)
+                    node_time[n] = mode.phases[n.name].time_s
+                else:
                     result = super().run_node(n)
-                node_time[n] = mode.phases[n.name].time_s
-            else:
-                result = super().run_node(n)
+            except Exception as exc:
+                add_where(exc, f"running {_node_where(cap, n)} on the sample batch")
+                raise
             values[n] = result
             return result
 
     with torch.no_grad(), mode:
         _Run(cap.gm).run(*cap.flat_inputs)
     return values, node_time
+
+
+def _node_where(cap: Captured, n: torch.fx.Node) -> str:
+    """``module 'enc.fc' (torch.nn.Linear), op linear``: where a graph node sits in the model."""
+    stack = cap.stacks.get(n, ())
+    module = f"module '{stack[-1].fqn}' ({stack[-1].type_name})" if stack else "the root module"
+    op = getattr(n.target, "__name__", None) or str(n.target)
+    return f"{module}, op {op}"
 
 
 def requires_grad(cap: Captured) -> dict[torch.fx.Node, bool]:
@@ -114,7 +128,15 @@ class BlockRunner:
         self._grads: list[torch.Tensor] | None = None
 
     def forward(self) -> tuple[Any, ...]:
-        return self.module(*self.inputs)
+        try:
+            return self.module(*self.inputs)
+        except Exception as exc:
+            add_where(exc, f"running the forward of {self._what()}")
+            raise
+
+    def _what(self) -> str:
+        b = self.block
+        return f"block {b.index} '{b.name}' (modules {few(list(b.modules), 4) or '<root>'})"
 
     def differentiable(self, outs: Sequence[Any]) -> list[torch.Tensor]:
         return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -127,7 +149,11 @@ class BlockRunner:
             t for t in self.inputs if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         self.seed_grads(outs)
-        torch.autograd.grad(diff, wrt, self._grads, allow_unused=True)
+        try:
+            torch.autograd.grad(diff, wrt, self._grads, allow_unused=True)
+        except Exception as exc:
+            add_where(exc, f"running the backward of {self._what()}")
+            raise
 
     def seed_grads(self, outs: Sequence[Any]) -> None:
         """The output gradients the backward starts from (made once; none on meta)."""
