@@ -321,11 +321,8 @@ class Cluster:
         return n, bw, lat
 
     def to_record(self) -> ClusterRecord:
-        """The plan file's exact form; ``cluster_file.from_record`` reads it back.
-
-        Memory in bytes, bandwidth in bytes/s, latency in seconds; each node lists
-        runs of equal devices (type, count, memory_bytes, threads). Made once.
-        """
+        """The plan file's exact form (bytes, bytes/s, seconds; runs of equal devices, equal
+        nodes in a row once); ``cluster_file.from_record`` reads it back. Made once."""
         return self._record
 
     @functools.cached_property
