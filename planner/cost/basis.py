@@ -20,7 +20,7 @@ from planner.options import OPTIMIZERS, PRECISIONS, Training
 from planner.plan.records import DTYPE_BYTES, ModelProfile
 from planner.plan.schedule import SCHEDULES, in_flight
 
-__all__ = ["BlockTable", "CostBasis", "Layout", "RangeMax", "state_bytes"]
+__all__ = ["BlockTable", "CostBasis", "Layout", "RangeMax", "state_bytes", "wire_bytes"]
 
 
 def state_bytes(precision: str, optimizer: str) -> tuple[float, float, float]:
@@ -39,6 +39,15 @@ def state_bytes(precision: str, optimizer: str) -> tuple[float, float, float]:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     moments = 8.0 if optimizer in ("adam", "adamw") else 4.0
     return 4.0, 4.0, moments
+
+
+def wire_bytes(profile: ModelProfile, training: Training) -> float:
+    """Bytes DDP's gradient all-reduces move for the whole model (tied copies left out):
+    Σ parameters × :attr:`CostBasis.wire_b`, as the stages' ``reduce_ms`` price them."""
+    _, grads_b, _ = state_bytes(training.precision, training.optimizer)
+    wire_b = 2.0 if training.precision == "bf16-mixed" else grads_b
+    elem = DTYPE_BYTES.get(profile.dtype, 4)
+    return sum(float(b.param_bytes) for b in profile.blocks) / elem * wire_b
 
 
 @dataclass(frozen=True, kw_only=True)

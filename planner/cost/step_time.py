@@ -16,7 +16,14 @@ from collections.abc import Callable, Sequence
 from planner.cost.stage_time import CPU_CORUN_SLOWDOWN
 from planner.plan.schedule import SCHEDULES
 
-__all__ = ["SegmentBound", "closed_form", "shared_cores_bound", "work_bound"]
+__all__ = [
+    "SegmentBound",
+    "allreduce_floor",
+    "closed_form",
+    "reduce_chain_bound",
+    "shared_cores_bound",
+    "work_bound",
+]
 
 
 def work_bound(
@@ -46,6 +53,56 @@ def work_bound(
     if schedule == "1f1b":
         return max(micro_batches * share, total)
     return total + (micro_batches - 1) * share
+
+
+def reduce_chain_bound(total: float, last: float, micro_batches: int, reduces: float) -> float:
+    """A lower bound on the step from the chain of the last backwards' all-reduces.
+
+    A path of the step's graph ([Note: the step graph]) that every placement
+    has: micro-batch 0's forwards reach the last stage, which runs its m
+    forwards and m backwards; its last backward all-reduces (DDP, inside the
+    backward) before its gradient goes back, and so on down to stage 0, whose
+    tail ends the step. So every stage's forward, backward and all-reduce lie
+    on it, and the last stage's work m times::
+
+        T ≥ Σ_s (f_s + b_s) + (m − 1)·(f + b)_{S−1} + Σ_s reduce_s
+          ≥ total + (m − 1)·last + reduces
+
+    ``total``: Σ blocks' forward + backward, loss included, on the fastest
+    device type; ``last``: the last block's, loss included (the last stage
+    holds it); ``reduces``: a lower bound on Σ_s reduce_s
+    (:func:`allreduce_floor`). Every figure is at most the step's own, links and
+    tails left out, so it is a lower bound.
+
+    >>> reduce_chain_bound(12.0, 2.0, 4, 30.0)
+    48.0
+    """
+    return total + (micro_batches - 1) * last + reduces
+
+
+def allreduce_floor(
+    ring_time: Callable[[Sequence[int], float], float],
+    grid: Sequence[Sequence[int]],
+    wire_bytes: float,
+) -> float:
+    """A lower bound (ms) on Σ_s of the stages' gradient all-reduces, however the
+    blocks are placed: ``grid[s]`` the ranks of stage s, ``wire_bytes`` what all
+    the model's gradients put on the wire, ``ring_time(ranks, nbytes)`` a ring
+    all-reduce's seconds (``Cluster.allreduce_time``).
+
+    A ring's time is affine in its bytes (t = α + β·S, α, β ≥ 0), and the stages'
+    bytes add up to at least ``wire_bytes`` (tied copies only add), so
+
+        Σ_s t_s ≥ Σ_s α_s + min_s β_s · wire_bytes = Σ_s α_s + min_s (t_s(wire_bytes) − α_s)
+
+    (0 when no stage has more than one replica).
+    """
+    if not grid:
+        return 0.0
+    alphas = [ring_time(ranks, 0.0) for ranks in grid]
+    bytes_part = min(ring_time(r, wire_bytes) - a for r, a in zip(grid, alphas, strict=True))
+    # rounding of the sums aside (1e-9 relative: a bound, not a figure to print)
+    return (sum(alphas) + max(bytes_part, 0.0)) * 1e3 * (1 - 1e-9)
 
 
 def shared_cores_bound(

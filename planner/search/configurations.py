@@ -3,8 +3,10 @@
 A configuration is (pp, dp, m, schedule) with pp · dp devices and a
 micro-batch size b = B / (dp · m) that divides the global batch; a *layout*
 of it says which rank runs which stage of which replica. Each gets a lower
-bound on its step from the work alone (:func:`planner.cost.step_time.work_bound`),
-and the search visits them best bound first.
+bound on its step from the work alone (:func:`planner.cost.step_time.work_bound`)
+and, on GPUs, from the chain of the stages' gradient all-reduces that every
+placement waits on (:func:`planner.cost.step_time.reduce_chain_bound`), and the
+search visits them best bound first.
 
 [Note: fewer CPU processes] On GPUs pp · dp is every device. Processes on the
 local CPU share its cores, so fewer of them, each with more torch threads, can
@@ -27,7 +29,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from planner.cost.step_time import shared_cores_bound, work_bound
+from planner.cost.basis import wire_bytes
+from planner.cost.step_time import (
+    allreduce_floor,
+    reduce_chain_bound,
+    shared_cores_bound,
+    work_bound,
+)
 from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
 from planner.plan.records import ModelProfile
@@ -305,8 +313,8 @@ def bounded(
                 variants[t] = threads_for(t)
             full, prof_for = variants[t]
             if (t, b) not in fastest:
-                fastest[(t, b)] = _work(prof_for, full, b)
-            total, heaviest = fastest[(t, b)]
+                fastest[(t, b)] = _work(prof_for, full, b, training)
+            total, heaviest, last, wire = fastest[(t, b)]
             bound = work_bound(total, heaviest, pp, m, sched)
             used = full
             if cpu:
@@ -314,7 +322,11 @@ def bounded(
                 used = _first(full, pp * dp)
             label = f", {t} thread{'s' if t != 1 else ''} per process" if cpu else ""
             for name, grid in layouts(used, pp, dp):
-                out.append(Config(bound, pp, dp, m, sched, t, name + label, grid, used, prof_for))
+                lb = bound
+                if full.backend != "gloo" and dp > 1:  # GPUs: every speed 1, graph = step
+                    reduces = allreduce_floor(used.allreduce_time, grid, wire)
+                    lb = max(lb, reduce_chain_bound(total, last, m, reduces))
+                out.append(Config(lb, pp, dp, m, sched, t, name + label, grid, used, prof_for))
     out.sort()
     return out
 
@@ -327,12 +339,18 @@ def _first(cluster: Cluster, n: int) -> Cluster:
     return dataclasses.replace(cluster, name=f"{n}x{devices[0].device.key}", devices=devices)
 
 
-def _work(profile_for: ProfileFor, cluster: Cluster, b: int) -> tuple[float, float]:
-    """(Σ block work, heaviest block) at micro-batch b on the fastest device type."""
-    best_total, best_heavy = math.inf, math.inf
+def _work(
+    profile_for: ProfileFor, cluster: Cluster, b: int, training: Training
+) -> tuple[float, float, float, float]:
+    """(Σ block work, heaviest block, last block with the loss) at micro-batch b on the
+    fastest device type, and the least gradient bytes an all-reduce of them all moves."""
+    best_total = best_heavy = best_last = best_wire = math.inf
     for t in cluster.device_types:
         prof = profile_for(t, b)
         works = [x.fwd_ms + x.bwd_ms for x in prof.blocks]
-        best_total = min(best_total, sum(works) + prof.loss_fwd_ms + prof.loss_bwd_ms)
+        loss = prof.loss_fwd_ms + prof.loss_bwd_ms
+        best_total = min(best_total, sum(works) + loss)
         best_heavy = min(best_heavy, max(works))
-    return best_total, best_heavy
+        best_last = min(best_last, works[-1] + loss)
+        best_wire = min(best_wire, wire_bytes(prof, training))
+    return best_total, best_heavy, best_last, best_wire
