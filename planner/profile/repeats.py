@@ -127,7 +127,7 @@ def _graph(module: torch.fx.GraphModule, tensor: Any) -> list[str]:
             target = f"{getattr(node.target, '__name__', node.target)}#{id(node.target)}"
         else:
             target = node.op
-        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _Ref(index[n]))
+        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _Ref(index[n]))  # type: ignore[arg-type,return-value]
         lines.append(f"{node.op}|{target}|{_constant(args)}")
     return lines
 

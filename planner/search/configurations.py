@@ -301,7 +301,7 @@ def bounded(
     """
     own = cluster.devices[0].threads
     variants: dict[int, tuple[Cluster, ProfileFor]] = {own: (cluster, profile_for)}
-    fastest: dict[tuple[int, int], tuple[float, float]] = {}
+    fastest: dict[tuple[int, int], tuple[float, float, float, float]] = {}
     cpu = local_cpu(cluster)
     out = []
     for pp, dp, m, sched in configs:
