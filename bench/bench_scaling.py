@@ -15,6 +15,12 @@
    included) and search; and ``planner plan examples/gpt.py --gpus 8`` on this
    machine (measured profile, profile cache off), the command's wall time.
 
+``--llama70b``: only the end-to-end Llama 70B (meta device, 80 layers) on 1024
+H100s (128 nodes × 8), analytic profile, one process per solver (profile_s,
+search_s, total_s, peak RSS, chosen layout); ``--point BLOCKS DEVICES``: only
+that synthetic search point. Both merge their records into the results file
+(by model or blocks, devices, solver), keeping the others.
+
 ``--quick`` runs two sweeps through the grid (blocks at 16 devices, devices
 at 64 blocks) with a 10 s per-solve limit, and the end-to-end GPT once (no
 ``planner plan`` command).
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 import random
@@ -203,6 +210,7 @@ def gpt_end_to_end(
     import torch
 
     import planner.planning as api
+    import planner.profile.sizes as sizes
     from planner.devices import from_gpus
     from planner.options import ProfileOptions, SearchOptions, Training
     from planner.plan.modelfile import load_model_file
@@ -230,7 +238,7 @@ def gpt_end_to_end(
             profile=ProfileOptions(target_blocks=target_blocks),
         )
         cluster = from_gpus(devices, "h100")
-        with timed(api, "profile_model") as prof, timed(api, "search") as srch:
+        with timed(sizes, "profile_model") as prof, timed(api, "search") as srch:
             t0 = time.perf_counter()
             plan = api.plan_model(model, sampler, cluster=cluster, loss_fn=mf.loss, options=options)
             total = time.perf_counter() - t0
@@ -264,6 +272,43 @@ def cli_end_to_end(example: str = "gpt", gpus: int = 8) -> dict[str, Any]:
     if proc.returncode:
         raise RuntimeError(f"planner plan failed:\n{proc.stderr[-2000:]}")
     return {"command": f"planner plan examples/{example}.py --gpus {gpus}", "wall_s": wall}
+
+
+def llama_end_to_end(solver: str, limit_s: float, timeout_s: float) -> dict[str, Any]:
+    """bench._llama.end_to_end in a process of its own (its peak RSS is the case's alone)."""
+    cmd = [sys.executable, "-m", "bench._llama", "--solver", solver, "--limit", str(limit_s)]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"model": "llama 70B shape", "devices": 1024, "solver": solver,
+                "error": f"timed out after {timeout_s:.0f} s (--timeout)"}  # fmt: skip
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    return dict(json.loads(lines[-1]))
+
+
+def _key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What a record measures: one record per key survives a merge."""
+    what = row.get("model", row.get("command", row.get("blocks")))
+    return (what, row.get("devices"), row.get("solver"), row.get("cache"))
+
+
+def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` over ``old``: rows of "search" and "end_to_end" merged by ``_key``.
+
+    Example::
+
+        merged({"search": [a16]}, {"search": [a16_again, b64]})["search"]  # [a16_again, b64]
+    """
+    out = {**old, **{k: v for k, v in new.items() if k not in ("search", "end_to_end")}}
+    for section in ("search", "end_to_end"):
+        rows = {_key(r): r for r in old.get(section, [])}
+        rows.update({_key(r): r for r in new.get(section, [])})
+        out[section] = list(rows.values())
+    return out
 
 
 # --------------------------------------------------------------------------- report
@@ -303,23 +348,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=float, help="per-solve time limit, s (default 60; quick 10)")
     ap.add_argument("--solvers", nargs="+", choices=SOLVERS, default=list(SOLVERS))
     ap.add_argument("--skip-e2e", action="store_true", help="the synthetic grid only")
+    ap.add_argument("--llama70b", action="store_true", help="only Llama 70B on 1024 H100s")
+    ap.add_argument("--point", nargs=2, type=int, metavar=("BLOCKS", "DEVICES"),
+                    help="only this synthetic search point")  # fmt: skip
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per --llama70b case, s")
     ap.add_argument("--out", default=str(OUT))
     ns = ap.parse_args(argv)
     limit = ns.limit or (10.0 if ns.quick else 60.0)
     t_start = time.perf_counter()
+    if ns.llama70b or ns.point:
+        return _one_case(ns, limit, t_start)
     rows = []
     for n, d in grid(ns.quick):
         for solver in ns.solvers:
             rows.append(search_point(n, d, solver, limit))
-            r = rows[-1]
-            print(
-                f"{n:4d} blocks {d:4d} devices {solver:5s}: search {r['search_s']:6.1f} s, "
-                f"closed form {r['ilp_s']:6.1f} s, step {r['step_s']:6.1f} s "
-                f"(MILP solvers {r['solver_s']:.1f} s), "
-                f"{r['configurations']} configs {r.get('candidates')}, "
-                f"{r.get('chosen', r.get('error'))}, {_proof(r)}",
-                flush=True,
-            )
+            _say(rows[-1])
     print(format_table(rows))
     e2e: list[dict[str, Any]] = []
     if not ns.skip_e2e:
@@ -354,8 +397,40 @@ def main(argv: list[str] | None = None) -> int:
         "search": rows,
         "end_to_end": e2e,
     }
-    path = write_json(ns.out, out)
-    print(f"wrote {path} ({wall:.0f} s)")
+    return _write(ns.out, out, wall)
+
+
+def _say(r: dict[str, Any]) -> None:
+    print(
+        f"{r['blocks']:4d} blocks {r['devices']:4d} devices {r['solver']:5s}: search "
+        f"{r['search_s']:6.1f} s, closed form {r['ilp_s']:6.1f} s, step {r['step_s']:6.1f} s "
+        f"(MILP solvers {r['solver_s']:.1f} s), {r['configurations']} configs "
+        f"{r.get('candidates')}, {r.get('chosen', r.get('error'))}, {_proof(r)}",
+        flush=True,
+    )
+
+
+def _one_case(ns: argparse.Namespace, limit: float, t_start: float) -> int:
+    """--llama70b or --point: run it, merge its records into the results file."""
+    rows, e2e = [], []
+    for solver in ns.solvers:
+        if ns.point:
+            rows.append(search_point(ns.point[0], ns.point[1], solver, limit))
+            rows[-1]["load_avg"] = os.getloadavg()
+            _say(rows[-1])
+        if ns.llama70b:
+            e2e.append(llama_end_to_end(solver, limit, ns.timeout))
+            print(f"end to end: {e2e[-1]}", flush=True)
+    path = Path(ns.out)
+    old = json.loads(path.read_text()) if path.exists() else {}
+    return _write(
+        path, merged(old, {"search": rows, "end_to_end": e2e}), time.perf_counter() - t_start
+    )
+
+
+def _write(path: str | Path, out: dict[str, Any], wall: float) -> int:
+    written = write_json(path, out)
+    print(f"wrote {written} ({wall:.0f} s)")
     return 0
 
 
