@@ -62,3 +62,24 @@ def write_json(path: str | Path, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     return path
+
+
+def _key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What a record measures: one record per key survives a merge."""
+    what = row.get("model", row.get("command", row.get("blocks")))
+    return (what, row.get("devices"), row.get("solver"), row.get("cache"))
+
+
+def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` over ``old``: rows of "search" and "end_to_end" merged by ``_key``.
+
+    Example::
+
+        merged({"search": [a16]}, {"search": [a16_again, b64]})["search"]  # [a16_again, b64]
+    """
+    out = {**old, **{k: v for k, v in new.items() if k not in ("search", "end_to_end")}}
+    for section in ("search", "end_to_end"):
+        rows = {_key(r): r for r in old.get(section, [])}
+        rows.update({_key(r): r for r in new.get(section, [])})
+        out[section] = list(rows.values())
+    return out

@@ -15,17 +15,11 @@
    included) and search; and ``planner plan examples/gpt.py --gpus 8`` on this
    machine (measured profile, profile cache off), the command's wall time.
 
-``--llama70b``: only the end-to-end Llama 70B (meta device, 80 layers) on 1024
-H100s (128 nodes × 8), analytic profile, one process per solver (profile_s,
-search_s, total_s, peak RSS, chosen layout); ``--point BLOCKS DEVICES``: only
-that synthetic search point. Both merge their records into the results file
-(by model or blocks, devices, solver), keeping the others.
-
-``--quick`` runs two sweeps through the grid (blocks at 16 devices, devices
-at 64 blocks) with a 10 s per-solve limit, and the end-to-end GPT once (no
-``planner plan`` command).
-
-Writes bench/results/scaling.json.
+``--llama70b``: only Llama 70B (meta, 80 layers) on 1024 H100s end to end, a
+process per solver (profile_s, search_s, total_s, peak RSS, chosen); ``--point
+BLOCKS DEVICES``: only that search point; both merge into the results file by key.
+``--quick``: two sweeps (blocks at 16 devices, devices at 64 blocks), 10 s per
+solve, the end-to-end GPT once (no ``planner plan``). Writes bench/results/scaling.json.
 """
 
 from __future__ import annotations
@@ -45,7 +39,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from bench._common import knobs, write_json
+from bench._common import knobs, merged, write_json
+from bench._llama import llama_end_to_end
 from bench.bench_plan import meta_profiling_problem, to_device
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -272,43 +267,6 @@ def cli_end_to_end(example: str = "gpt", gpus: int = 8) -> dict[str, Any]:
     if proc.returncode:
         raise RuntimeError(f"planner plan failed:\n{proc.stderr[-2000:]}")
     return {"command": f"planner plan examples/{example}.py --gpus {gpus}", "wall_s": wall}
-
-
-def llama_end_to_end(solver: str, limit_s: float, timeout_s: float) -> dict[str, Any]:
-    """bench._llama.end_to_end in a process of its own (its peak RSS is the case's alone)."""
-    cmd = [sys.executable, "-m", "bench._llama", "--solver", solver, "--limit", str(limit_s)]
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout_s, check=False
-        )
-    except subprocess.TimeoutExpired:
-        return {"model": "llama 70B shape", "devices": 1024, "solver": solver,
-                "error": f"timed out after {timeout_s:.0f} s (--timeout)"}  # fmt: skip
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    return dict(json.loads(lines[-1]))
-
-
-def _key(row: dict[str, Any]) -> tuple[Any, ...]:
-    """What a record measures: one record per key survives a merge."""
-    what = row.get("model", row.get("command", row.get("blocks")))
-    return (what, row.get("devices"), row.get("solver"), row.get("cache"))
-
-
-def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """``new`` over ``old``: rows of "search" and "end_to_end" merged by ``_key``.
-
-    Example::
-
-        merged({"search": [a16]}, {"search": [a16_again, b64]})["search"]  # [a16_again, b64]
-    """
-    out = {**old, **{k: v for k, v in new.items() if k not in ("search", "end_to_end")}}
-    for section in ("search", "end_to_end"):
-        rows = {_key(r): r for r in old.get(section, [])}
-        rows.update({_key(r): r for r in new.get(section, [])})
-        out[section] = list(rows.values())
-    return out
 
 
 # --------------------------------------------------------------------------- report
