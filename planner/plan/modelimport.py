@@ -20,6 +20,7 @@ __all__ = [
     "contract_error",
     "exit_site",
     "import_fresh",
+    "model_frame",
     "where",
 ]
 
@@ -152,13 +153,23 @@ def exit_site(exc: SystemExit, model_file: str | Path | None) -> tuple[str, str,
     """
     import traceback
 
-    frames = traceback.extract_tb(exc.__traceback__)
-    mine = [f for f in frames if model_file and _same_file(f.filename, model_file)]
     call = f"sys.exit({exc.code!r})" if exc.code is not None else "sys.exit()"
+    mine = model_frame(exc, model_file)
+    if mine is not None:
+        return call, mine, True
+    frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return call, "an unknown place", False
-    f = mine[-1] if mine else frames[-1]
-    return call, f"{Path(f.filename).name}:{f.lineno} in {f.name}", bool(mine)
+    return call, f"{Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}", False
+
+
+def model_frame(exc: BaseException, model_file: str | Path | None) -> str | None:
+    """``file:line in function`` of the model file's innermost frame in ``exc``'s traceback."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if model_file and _same_file(f.filename, model_file)]
+    return f"{Path(mine[-1].filename).name}:{mine[-1].lineno} in {mine[-1].name}" if mine else None
 
 
 def _same_file(a: str, b: str | Path) -> bool:

@@ -16,6 +16,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from planner.plan.modelimport import model_frame
+
 __all__ = ["add_where", "explain", "phase_of", "where_notes"]
 
 _NOTE = "planner: while "
@@ -64,20 +66,6 @@ def phase_of(exc: BaseException) -> str:
     return phase
 
 
-def _in_file(exc: BaseException, path: str | None) -> str | None:
-    """``file:line in function`` of ``path``'s innermost frame in the traceback, or None."""
-    if not path:
-        return None
-    found = None
-    for f in traceback.extract_tb(exc.__traceback__):
-        try:
-            if os.path.samefile(f.filename, path):
-                found = f"{Path(f.filename).name}:{f.lineno} in {f.name}"
-        except OSError:
-            continue
-    return found
-
-
 def _memory_gib() -> float | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -97,7 +85,7 @@ def explain(exc: BaseException, model_file: str | None = None) -> str:
     said = str(exc).strip() or "(no message)"
     lines = [f"{phase_of(exc)} raised {type(exc).__name__}: {said}"]
     notes = where_notes(exc)
-    user = _in_file(exc, model_file)
+    user = model_frame(exc, model_file)
     if notes:
         lines.append(f"  where: {'; in '.join(notes)}")
     if user:
