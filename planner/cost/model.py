@@ -162,8 +162,9 @@ class CostModel:
         """The step's tail on stage s: all-reduce, tied exchange, optimizer step (ms)."""
         return self.time.sync(s, i, j)
 
-    def stage_classes(self) -> list[int]:
-        """Per stage a label: stages with equal device types and nodes cost the same."""
+    def time_classes(self) -> list[int]:
+        """Per stage a label: stages with equal device types and nodes have equal times
+        (forward, backward at a given recompute choice, transfers, all-reduce, tail)."""
         labels: dict[tuple[object, ...], int] = {}
         cluster, layout = self.cluster, self.layout
         out = []
@@ -172,6 +173,18 @@ class CostModel:
             key = (tuple(self.basis.stage_types[s]), nodes)
             out.append(labels.setdefault(key, len(labels)))
         return out
+
+    def stage_classes(self) -> list[int]:
+        """Per stage a label: stages with equal labels have equal figures for every run of
+        blocks, the recompute choice included. That choice follows the stage's memory,
+        which also depends on the micro-batches it holds in flight (1F1B: ``pp − s``), so
+        equal devices alone do not make equal figures."""
+        labels: dict[tuple[int, int], int] = {}
+        times = self.time_classes()
+        return [
+            labels.setdefault((times[s], self.layout.in_flight(s)), len(labels))
+            for s in range(self.layout.pp)
+        ]
 
     # ----------------------------------------------------------------- prediction
 

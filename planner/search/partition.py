@@ -33,8 +33,8 @@ def partition_problem(
 
     A stage that does not fit without recompute is costed with it
     (:meth:`CostModel.stage_work`), so the problem needs no recompute variable.
-    Stages with the same device types, nodes and replica layout cost the same
-    (``stage_class``), which the solver uses to price each segment once.
+    Stages with the same device types, nodes and micro-batches in flight cost the
+    same (``stage_class``), which the solver uses to price each segment once.
     """
     return PartitionProblem(
         n_blocks=cost.n_blocks,
@@ -117,6 +117,7 @@ class _Prices:
         self.fastest = max(self.time.speeds)
         self.exact = all(r == 1.0 for r in self.time.speeds)
         self.classes = cost.stage_classes()
+        self.times = cost.time_classes()  # priced figures are shared wider than figures
         self._priced: dict[tuple[int, int, int, bool], tuple[float, float, float, float]] = {}
         self._cuts: dict[tuple[int, int], tuple[float, float]] = {}
         self._memory: dict[tuple[int, int, int], float] = {}
@@ -124,7 +125,7 @@ class _Prices:
 
     def priced(self, s: int, i: int, j: int, rc: bool) -> tuple[float, float, float, float]:
         """(fwd, bwd, reduce, tail) of stage s holding [i, j), recomputing or not."""
-        key = (self.classes[s], i, j, rc)
+        key = (self.times[s], i, j, rc)
         got = self._priced.get(key)
         if got is None:
             t = self.time

@@ -177,3 +177,42 @@ def test_shared_cores_are_searched_per_configuration_and_proven_once(
             n_blocks=cost.n_blocks,
         )
     assert res.solution.method != "search" and res.solution.bound > 0
+
+
+def _graph_and_step(cost: CostModel) -> list[tuple[float, float]]:
+    """The step graph's longest path and the simulated step, for every placement."""
+    from planner.search.partition import step_problem
+    from planner.solve.step_table import StepTable
+
+    table = StepTable(step_problem(cost))
+    out = []
+    for cuts in itertools.combinations(range(1, cost.n_blocks), cost.layout.pp - 1):
+        starts = (0, *cuts)
+        graph = table.graph_times(table.indices(starts))[0]
+        out.append((graph, cost.step_ms(starts)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["h100", "two-nodes", "mixed", "small-memory"])
+def test_the_step_graph_is_the_simulated_step_of_every_placement(kind: str) -> None:
+    """Where the problem is exact, the MILP minimises the graph: it must be the step itself,
+    whatever each stage's recompute choice (1F1B's stages hold different micro-batch counts,
+    so one run of blocks may recompute on one stage and not on another)."""
+    for seed in range(12):
+        for graph, step in _graph_and_step(_instance(400 + seed, kind)):
+            assert graph == pytest.approx(step, rel=REL)
+
+
+def test_one_run_of_blocks_recomputes_on_an_early_1f1b_stage_and_not_on_a_late_one() -> None:
+    """The Llama 70B case of bench_scaling (pp 32, 1F1B): stage 0 holds 32 micro-batches
+    in flight, stage 31 one, so a run that fits a late stage without recompute may need it
+    on an early one; equal devices do not make equal figures."""
+    n, pp, m = 8, 4, 8
+    prof = _profile(random.Random(4), n, "h100", 1.0, tied=False)
+    cluster = from_gpus(pp, "h100", memory_gib=0.2)
+    layout = Layout(pp=pp, dp=1, micro_batches=m, schedule="1f1b", ranks=((0,), (1,), (2,), (3,)))
+    cost = CostModel({"h100": prof}, cluster, Training(global_batch=4 * m), layout)
+    middle = [(i, j) for i in range(1, n) for j in range(i + 1, n)]
+    assert any(cost.recompute(1, i, j) != cost.recompute(2, i, j) for i, j in middle)
+    for graph, step in _graph_and_step(cost):
+        assert graph == pytest.approx(step, rel=REL)
