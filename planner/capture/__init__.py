@@ -3,7 +3,8 @@
 ``trace`` (:func:`capture`: ``torch.export``, then ``symbolic_trace``),
 ``explain`` (why both failed, and where), ``blocks`` (the chain: split points,
 granularity), ``liveness`` (what crosses a split point), ``tied`` (one tensor
-under several names), ``subgraph`` (a runnable module cut from a run of nodes).
+under several names), ``subgraph`` (a runnable module cut from a run of nodes),
+``dynamic`` (outputs whose dim 0 depends on the values, and the op behind it).
 """
 
 from __future__ import annotations

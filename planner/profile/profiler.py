@@ -39,6 +39,7 @@ from planner.plan.fingerprint import fingerprint
 from planner.plan.records import DTYPE_BYTES, BlockCost, ModelProfile, TiedSet
 from planner.plan.text import first_line
 from planner.profile.analytic import OpCost
+from planner.profile.loss_check import checked_loss
 from planner.profile.meta import has_real, meta_twin, needs_values, shapes_only_error, to_meta
 from planner.profile.ownership import Owners, param_nbytes, saved_bytes
 from planner.profile.repeats import priced
@@ -225,9 +226,8 @@ def profile_chain(
         )
         needs_grad = requires_grad(cap)
         runners = [BlockRunner(cap, b, values, needs_grad) for b in chain.blocks]
-        times = _times(
-            model, cap, chain, runners, values, device, targets, loss_fn, options, progress
-        )
+        loss = checked_loss(loss_fn, cap)  # a data-dependent batch size, explained
+        times = _times(model, cap, chain, runners, values, device, targets, loss, options, progress)
     # Every byte figure is in the profile's dtype: an analytic bf16 profile of an
     # fp32 model halves parameters as well as activations, so that the cost
     # model's bytes / dtype size gives the parameter count.

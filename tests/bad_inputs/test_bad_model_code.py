@@ -1,5 +1,6 @@
 """Issue 15, items 1, 2, 4, 5, 6: a model file's code that exits, raises what is not a
-ValueError, lives on the meta device, returns NaN, or has data-dependent shapes.
+ValueError, lives on the meta device, returns NaN, or has data-dependent shapes (inside
+a module, planned; in the output's batch dimension, refused naming the operation).
 
 Each refusal is one message (what, why, fix) with exit status 1, no traceback
 (``-v`` prints it) and nothing written; the original error's type and message
@@ -221,6 +222,69 @@ def test_item6_a_data_dependent_shape_inside_a_module_is_planned(
     # profiled); split points its tensors would cross are excluded (tests/capture).
     code = "h = torch.relu(self.a(x))\n        return self.b(h) + h[h > 0.5].mean()"
     text = NET.replace("#FORWARD\n        return self.b(torch.relu(self.a(x)))", code)
+    plan, _ = env.planned(env.write(text), "--gpus", 2, *(device or CPU[2:]))
+    assert plan.pp * plan.dp >= 1
+
+
+# Every other row of the sample is kept: dim 0 of a selection is half the batch, never all of it.
+HALF = "x = torch.randn(batch_size, 16)\n    x[:, 0] = torch.arange(batch_size) % 2\n    "
+HALF += "return x, torch.randint(0, 4, (batch_size,))"
+PICK = """class Pick(nn.Module):
+    def forward(self, out, x):
+        return out[torch.nonzero(x[:, 0] > 0.5).squeeze(1)]
+
+
+class Net(nn.Module):"""
+
+
+@pytest.mark.parametrize("device", [A100, ()])
+def test_item6_b_an_output_of_data_dependent_batch_size_is_refused_naming_the_op(
+    env: Env, device: tuple[str, ...]
+) -> None:
+    code = "out = self.b(torch.relu(self.a(x)))\n        return out[x[:, 0] > 0.5]"
+    text = _net(FORWARD=code, SAMPLE=HALF)
+    err = env.refused(env.write(text), "--gpus", 2, *(device or CPU[2:]))
+    # before: the default loss's "outputs (4, 4) and targets (8,) fit neither ..." alone
+    assert (
+        "error: the model's output has a batch dimension (dim 0) of 4 where the batch is 8" in err
+    )
+    assert "integer targets mean cross-entropy, but outputs (4, 4) and targets (8,)" in err
+    said = "boolean-mask indexing x[mask] (aten.index.Tensor) in module '<root>' (Net) at "
+    line = _line(text, "        return out[x[:, 0] > 0.5]")
+    assert said in err and f"model.py:{line}: return out[x[:, 0] > 0.5]" in err
+    assert "whose size depends on the values, not on the batch size" in err
+    assert "fix: keep the data-dependent shape inside a module and return a tensor of fixed" in err
+    assert "define loss_fn(outputs, targets)" in err
+
+
+@pytest.mark.parametrize("device", [A100, ()])
+def test_item6_c_nonzero_in_a_submodule_is_named_when_loss_fn_fails_on_it(
+    env: Env, device: tuple[str, ...]
+) -> None:
+    text = _net(FORWARD="return self.pick(self.b(torch.relu(self.a(x))), x)", SAMPLE=HALF)
+    text = text.replace("class Net(nn.Module):", PICK)
+    text = text.replace("nn.Linear(32, 4)\n", "nn.Linear(32, 4)\n        self.pick = Pick()\n")
+    text += "\n\ndef loss_fn(out, y):\n    return torch.nn.functional.cross_entropy(out, y)\n"
+    err = env.refused(env.write(text), "--gpus", 2, *(device or CPU[2:]))
+    assert (
+        "error: the model's output has a batch dimension (dim 0) of 4 where the batch is 8" in err
+    )
+    assert "loss_fn(outputs, targets) raised ValueError" in err  # the loss's own error, kept
+    said = "torch.nonzero (aten.nonzero.default) in module 'pick' (Pick) at "
+    line = _line(text, "        return out[torch.nonzero(x[:, 0] > 0.5).squeeze(1)]")
+    assert said in err and f"model.py:{line}: " in err
+
+
+@pytest.mark.parametrize("device", [A100, ()])
+def test_item6_d_a_loss_fn_that_takes_the_varying_size_plans(
+    env: Env, device: tuple[str, ...]
+) -> None:
+    # The fix the refusal suggests: return the mask too; the loss selects the same targets.
+    code = "out = self.b(torch.relu(self.a(x)))\n        keep = x[:, 0] > 0.5"
+    code += "\n        return out[keep], keep"
+    text = _net(FORWARD=code, SAMPLE=HALF)
+    text += "\n\ndef loss_fn(outputs, y):\n    out, keep = outputs\n"
+    text += "    return torch.nn.functional.cross_entropy(out, y[keep])\n"
     plan, _ = env.planned(env.write(text), "--gpus", 2, *(device or CPU[2:]))
     assert plan.pp * plan.dp >= 1
 
