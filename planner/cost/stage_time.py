@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.cost.basis import CostBasis
+from planner.devices.catalogue import Device
 
 __all__ = [
     "ACTION_OVERHEAD_MS",
@@ -124,6 +125,8 @@ class StageTime:
         self.compute_scale = 1.0 / self.speeds[-1]
         self.comm_scale = self.compute_scale if backend == "gloo" else 1.0
         self.wakeup_s = CPU_OVERSUBSCRIBED_WAKEUP_S if self._oversubscribed() else 0.0
+        self._kinds: dict[int, list[tuple[Device, int]]] = {}
+        self._pairs: dict[int, list[tuple[int, int]]] = {}
 
     # ----------------------------------------------------------------- compute
 
@@ -178,12 +181,35 @@ class StageTime:
         nbytes = b.table(s).boundary[j] * b.act_scale
         copied = b.table(s).copied[j] * b.act_scale
         fwd = bwd = 0.0
-        for r in range(b.layout.dp):
-            src, dst = b.layout.ranks[s][r], b.layout.ranks[s + 1][r]
+        for src, dst in self._link_pairs(s):
             link = b.cluster.p2p_time(src, dst, nbytes) + self.wakeup_s
             fwd = max(fwd, link + self._dense_copy_s(src, copied))
             bwd = max(bwd, link + self._dense_copy_s(dst, copied))
         return fwd * 1e3 * self.comm_scale, bwd * 1e3 * self.comm_scale
+
+    def _link_pairs(self, s: int) -> list[tuple[int, int]]:
+        """One (sender, receiver) rank pair of link s → s+1 per kind of pair the replicas
+        use: the transfer's time depends only on the two devices and whether they are
+        one, share a node or not, so the slowest replica is among these."""
+        got = self._pairs.get(s)
+        if got is None:
+            c, ranks = self.b.cluster, self.b.layout.ranks
+            kinds: dict[tuple[object, ...], tuple[int, int]] = {}
+            for src, dst in zip(ranks[s], ranks[s + 1], strict=True):
+                a, z = c.devices[src], c.devices[dst]
+                key = (a.device, z.device, src == dst, a.node == z.node)
+                kinds.setdefault(key, (src, dst))
+            got = self._pairs[s] = list(kinds.values())
+        return got
+
+    def _devices(self, s: int) -> list[tuple[Device, int]]:
+        """The distinct (device, torch threads) among stage s's replicas."""
+        got = self._kinds.get(s)
+        if got is None:
+            c = self.b.cluster
+            pairs = ((c.devices[r].device, c.devices[r].threads) for r in self.b.layout.ranks[s])
+            got = self._kinds[s] = list(dict.fromkeys(pairs))
+        return got
 
     def _dense_copy_s(self, rank: int, nbytes: float) -> float:
         """Copying ``nbytes`` of strided tensors dense on ``rank``'s device: read + write."""
@@ -211,12 +237,10 @@ class StageTime:
         else:
             moved = n_params * (2 * (b.weights_b + b.optim_b) + b.grads_b)
         slowest = 0.0
-        for r in b.layout.ranks[s]:
-            dev = b.cluster.devices[r].device
+        for dev, threads in self._devices(s):
             t = moved / (dev.memory_bandwidth * dev.memory_efficiency)
             if cpu:  # every process steps at the end: the steady state's speed
-                threads = max(1, b.cluster.devices[r].threads)
-                t = (t / threads + tensors * ops * dev.op_overhead_s) * self.compute_scale
+                t = (t / max(1, threads) + tensors * ops * dev.op_overhead_s) * self.compute_scale
             slowest = max(slowest, t)
         return slowest * 1e3
 

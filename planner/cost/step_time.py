@@ -183,8 +183,12 @@ class SegmentBound:
     * … then the last micro-batch's backwards (each with its stage's all-reduce)
       go back to stage 0, whose tail ends the step: ``Pre + m·(f + b) + reduce``
       (+ its tail when s = 0);
-    * GPipe: the last micro-batch's forward also runs through the later stages
-      and the first backward back to s: ``+ link + Suf``.
+    * the wait for stage s's first backward: a forward runs through the later
+      stages and micro-batch 0's backward comes back (``link + Suf``). GPipe: after
+      stage s's m forwards (``+ link + Suf``); 1F1B: stage s runs
+      w = min(S − s, m) forwards before its first backward and the rest after
+      it, so only the wait beyond the w − 1 forwards that overlap it,
+      ``max(0, link + Suf − (w − 1)·f)``. Both paths above hold it.
 
     ``Pf``: least Σ (f + link_fwd) of the stages before s; ``Pre``: least
     Σ (f + b + reduce + links) before s, plus stage 0's tail; ``Suf``: least
@@ -215,14 +219,12 @@ class SegmentBound:
         inf = math.inf
         f, b, red, tail = self.figures(s, i, j)
         own = self.m * (f + b) + red
-        lb = max(pf[s].get(i, inf) + own + tail, pre[s].get(i, inf) + own + (tail if s == 0 else 0))
-        if self.gpipe:
-            link = sum(self.cuts(s, j)) if s < self.S - 1 else 0.0
-            rest = (
-                pre[s].get(i, inf) + own + (tail if s == 0 else 0) + link + suf[s + 1].get(j, inf)
-            )
-            lb = max(lb, rest)
-        return lb
+        link = sum(self.cuts(s, j)) if s < self.S - 1 else 0.0
+        trip = link + suf[s + 1].get(j, inf)  # micro-batch 0 on to the last stage and back
+        # GPipe: after its m forwards; 1F1B: while its w − 1 warm-up forwards run.
+        wait = trip if self.gpipe else max(0.0, trip - (min(self.S - s, self.m) - 1) * f)
+        first = pre[s].get(i, inf) + own + (tail if s == 0 else 0) + wait
+        return max(pf[s].get(i, inf) + own + tail + wait, first)
 
     def _segments(self, s: int, i: int) -> list[int]:
         """Legal ends j of stage s starting at block i (room left for the later stages)."""

@@ -73,12 +73,12 @@ def step_problem(
     graph = step_graph(lay.schedule, lay.pp, lay.micro_batches)
     prices = _Prices(cost)
     legal = sorted(set(range(1, n) if allowed_starts is None else allowed_starts) - {0})
-    bound = SegmentBound(  # without recompute: a backward no longer than the step's own
+    bound = SegmentBound(  # each stage's own figures, its recompute choice included
         n_stages=lay.pp,
         micro_batches=lay.micro_batches,
         schedule=lay.schedule,
         positions=[0, *legal, n],
-        figures=lambda s, i, j: prices.priced(s, i, j, False),
+        figures=prices.figures,
         cuts=prices.cuts,
     )
     tied = tuple(frozenset(users) for _, _, users in cost.basis.tied if len(set(users)) > 1)

@@ -4,8 +4,11 @@
    evaluated; the best is the incumbent U.
    A bounded problem to be proven (``prove=True``) first polishes it: split
    points moved from its best placements and from seeded random ones.
-2. Segments that do not fit their stage's memory, or whose bound exceeds U,
-   are dropped (:class:`~planner.solve.step_table.StepTable`).
+2. Segments that do not fit their stage's memory, or whose bound exceeds U
+   (the ``ceiling`` when that is lower: only a placement below it matters),
+   are dropped (:class:`~planner.solve.step_table.StepTable`). When no
+   placement is left under the ceiling, or the least over the placements of
+   their largest segment bound reaches U, that proves it: no MILP is needed.
 3. Few placements left: every one is evaluated (proven by enumeration;
    bounded problems allow more work, ``PROVE_WORK``, where they are to be
    proven). Otherwise the step MILP ([Note: the step MILP]) is solved.
@@ -145,13 +148,26 @@ def solve_step(
         # The placement first, counted: a lower incumbent also prunes what is left to prove.
         run.polish_left = [PROVE_POLISH * max(POLISH_BUDGET, 6 * run.t.K)]
         run.polish(run.deadline, restarts=RESTARTS)
-    layers = run.t.layers(run.U, keep=[run.best] if run.best else [])
+    beaten = ceiling is not None and problem.exact and bool(run.best) and ceiling < run.U
+    if beaten:  # only a placement at or below the ceiling matters: prune with it
+        assert ceiling is not None
+        run.pruned_at = ceiling
+        layers = run.t.layers(ceiling)
+        if run.t.count(layers) == 0:
+            note = f"no placement at or below {ceiling:.6g} ms (proven by the segment bounds)"
+            return run.answer("bounded", ceiling, "bounds", note)
+    else:
+        layers = run.t.layers(run.U, keep=[run.best] if run.best else [])
     run.n_segments = sum(len(row) for layer in layers for row in layer.values())
     if run.t.count(layers) == 0:
         raise PartitionInfeasible(
             f"no placement of {problem.n_blocks} blocks on {problem.n_stages} stages fits "
             "every stage's memory"
         )
+    low = run.t.bottleneck(layers)
+    if not beaten and low >= run.U * (1 - MIP_REL_GAP):
+        note = f"the segment bounds reach the step: every placement is ≥ {low:.6g} ms"
+        return run.answer("optimal", low, "bounds", note)
     if run.enumerable(layers):
         return run.enumerate(layers)
     return run.milp(layers)
@@ -175,6 +191,7 @@ class _Run:
     steps: dict[tuple[int, ...], float] = field(default_factory=dict)  # every one evaluated
     polish_left: list[int] | None = None
     ceiling: float | None = None
+    pruned_at: float | None = None  # the layers hold only segments whose bound is ≤ this
 
     def offer(self, idx: list[int]) -> float:
         """Evaluate a placement; keep it when it beats the incumbent."""
@@ -228,14 +245,18 @@ class _Run:
     def enumerate(self, layers: Layers) -> StepSolution:
         """Evaluate every placement through the layers: the least is proven optimal."""
         count = self.t.count(layers)
+        floor = math.inf if self.pruned_at is None else self.pruned_at  # the rest are above
         for idx in self.t.paths(layers):
             if tuple(idx) not in self.steps:
                 self.offer(idx)
             if time.perf_counter() > self.deadline:
-                bound = self._graph_bound(layers)
+                bound = min(self._graph_bound(layers), floor)
                 return self.answer(
                     "time_limit", bound, "enumeration", "time limit during enumeration"
                 )
+        if floor < self.U:
+            note = f"no placement at or below {floor:.6g} ms ({count} evaluated, the rest bounded)"
+            return self.answer("bounded", floor, "enumeration", note)
         return self.answer("optimal", self.U, "enumeration", f"all {count} placements evaluated")
 
     def _graph_bound(self, layers: Layers) -> float:
@@ -262,7 +283,8 @@ class _Run:
     def milp(self, layers: Layers) -> StepSolution:
         c = self.ceiling
         ceiling = c if c is not None and self.t.p.exact and c < self.U else None
-        prob, x = build_step_ilp(self.t, layers, self.best, ceiling)
+        start = None if self.pruned_at is not None else self.best  # not among the layers
+        prob, x = build_step_ilp(self.t, layers, start, ceiling)
         outcome = self.solve_milp(prob)
         if ceiling is not None and outcome.infeasible:
             note = f"no placement at or below {ceiling:.6g} ms (proven; {outcome.detail})"

@@ -158,7 +158,10 @@ class StepSolution:
             without a proof: ``detail`` says which); "time_limit": the limit
             stopped it.
         method: how: "milp" (the step MILP), "enumeration" (every placement
-            left after pruning was evaluated), "bound+simulation" (a bounded
+            left after pruning was evaluated), "bounds" (the segment bounds
+            alone: the least over placements of their largest segment bound
+            reaches the step, or no placement's bounds stay under the
+            ``ceiling``), "bound+simulation" (a bounded
             problem: the MILP's bound, raised by evaluating the placements it
             could not rule out), "search" (a bounded problem searched only,
             ``prove=False``: no bound).

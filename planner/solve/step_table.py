@@ -127,6 +127,23 @@ class StepTable:
             ways = nxt
         return ways.get(self.K, 0)
 
+    def bottleneck(self, layers: Layers) -> float:
+        """The least, over the placements through the layers, of their largest segment
+        bound: every one of them has a step at least this (inf when there is none)."""
+        best = {0: 0.0}
+        for s, layer in enumerate(layers):
+            nxt: dict[int, float] = {}
+            for a, row in layer.items():
+                here = best.get(a)
+                if here is None:
+                    continue
+                for b in row:
+                    v = max(here, self.bound(s, a, b))
+                    if v < nxt.get(b, math.inf):
+                        nxt[b] = v
+            best = nxt
+        return best.get(self.K, math.inf)
+
     def paths(self, layers: Layers) -> Iterator[list[int]]:
         """Every placement through the layers, in index form (depth first)."""
         idx = [0]

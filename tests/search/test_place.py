@@ -77,7 +77,8 @@ def _cluster(kind: str, devices: int) -> Cluster:
     return from_gpus(devices, "h100")
 
 
-def _instance(seed: int, kind: str) -> CostModel:
+def _parts(seed: int, kind: str) -> tuple[dict[str, ModelProfile], Cluster, Training, Layout]:
+    """A random small instance: its profiles per device type, cluster, training, layout."""
     rng = random.Random(seed)
     n = rng.randint(4, 9)
     pp = rng.choice([p for p in (2, 3, 4) if p <= n])
@@ -92,7 +93,11 @@ def _instance(seed: int, kind: str) -> CostModel:
         t: _profile(random.Random(seed), n, t, 1.0 + 0.5 * k, tied) for k, t in enumerate(types)
     }
     layout = Layout(pp=pp, dp=dp, micro_batches=m, schedule=schedule, ranks=grid)
-    return CostModel(profiles, cluster, Training(global_batch=4 * dp * m), layout)
+    return profiles, cluster, Training(global_batch=4 * dp * m), layout
+
+
+def _instance(seed: int, kind: str) -> CostModel:
+    return CostModel(*_parts(seed, kind))
 
 
 def _brute_force(cost: CostModel) -> float | None:
@@ -216,3 +221,35 @@ def test_one_run_of_blocks_recomputes_on_an_early_1f1b_stage_and_not_on_a_late_o
     assert any(cost.recompute(1, i, j) != cost.recompute(2, i, j) for i, j in middle)
     for graph, step in _graph_and_step(cost):
         assert graph == pytest.approx(step, rel=REL)
+
+
+@pytest.mark.parametrize("kind", ["h100", "two-nodes", "mixed", "small-memory"])
+def test_every_lower_bound_is_below_the_step_of_every_placement(kind: str) -> None:
+    """The bounds the search prunes with and the solver proves with never exceed a
+    placement's simulated step: each segment's bound (on every placement holding that
+    segment), and a configuration's bound (the work, the all-reduce chain)."""
+    from planner.search.configurations import bounded
+    from planner.search.partition import step_problem
+
+    for seed in range(16):
+        profiles, cluster, training, lay = _parts(500 + seed, kind)
+        cost = CostModel(profiles, cluster, training, lay)
+        problem = step_problem(cost)
+        assert problem.seg_bound is not None
+        configs = bounded(
+            # a device type the layout leaves unused: any profile (the bound takes the least)
+            lambda device, b, profiles=profiles: profiles.get(
+                device, next(iter(profiles.values()))
+            ),
+            cluster,
+            training,
+            [(lay.pp, lay.dp, lay.micro_batches, lay.schedule)],
+        )
+        floor = next(c.bound for c in configs if c.grid == lay.ranks)
+        for cuts in itertools.combinations(range(1, cost.n_blocks), lay.pp - 1):
+            bounds = [0, *cuts, cost.n_blocks]
+            step = cost.step_ms(tuple(bounds[:-1]))
+            assert floor <= step * (1 + REL), (seed, bounds)
+            for s in range(lay.pp):
+                seg = problem.seg_bound(s, bounds[s], bounds[s + 1])
+                assert seg <= step * (1 + REL), (seed, s, bounds, seg, step)
