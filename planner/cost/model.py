@@ -163,14 +163,26 @@ class CostModel:
         return self.time.sync(s, i, j)
 
     def time_classes(self) -> list[int]:
-        """Per stage a label: stages with equal device types and nodes have equal times
-        (forward, backward at a given recompute choice, transfers, all-reduce, tail)."""
+        """Per stage a label: stages with equal labels have equal times for every run of
+        blocks (forward, backward at a given recompute choice, all-reduce, tail).
+
+        Those follow the stage's device types, the kinds of device among its replicas
+        (the optimizer step), and the ring its replicas all-reduce over, which is
+        affine in the bytes: its time for 0 bytes and for 1 byte pins it. Equal
+        nodes in other places of the cluster make equal stages (on 64 nodes of 8
+        with pp 64, every stage of one class, not 64). The tied weights' exchange
+        depends on where the other stages sit: with tied sets every stage is its own.
+        """
         labels: dict[tuple[object, ...], int] = {}
         cluster, layout = self.cluster, self.layout
         out = []
         for s in range(layout.pp):
-            nodes = tuple(cluster.devices[r].node for r in layout.ranks[s])
-            key = (tuple(self.basis.stage_types[s]), nodes)
+            ranks = layout.ranks[s]
+            kinds = frozenset(
+                (cluster.devices[r].device, cluster.devices[r].threads) for r in ranks
+            )
+            ring = (cluster.allreduce_time(ranks, 0.0), cluster.allreduce_time(ranks, 1.0))
+            key = (tuple(self.basis.stage_types[s]), kinds, ring, s if self.basis.tied else -1)
             out.append(labels.setdefault(key, len(labels)))
         return out
 

@@ -11,7 +11,7 @@ Pure: no torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from planner.cost.stage_time import CPU_CORUN_SLOWDOWN
 from planner.plan.schedule import SCHEDULES
@@ -192,10 +192,21 @@ class SegmentBound:
 
     ``Pf``: least Σ (f + link_fwd) of the stages before s; ``Pre``: least
     Σ (f + b + reduce + links) before s, plus stage 0's tail; ``Suf``: least
-    Σ (f + b + links) after s, over every placement (memory is not asked:
-    the bounds stay valid, and cheap). ``figures(s, i, j)`` gives (fwd, bwd,
-    reduce, tail) no larger than the step's own, ``cuts(s, j)`` (link_fwd,
-    link_bwd).
+    Σ (f + b + links) after s (memory is not asked: the bounds stay valid, and
+    cheap). ``figures(s, i, j)`` gives (fwd, bwd, reduce, tail) no larger than
+    the step's own, ``cuts(s, j)`` (link_fwd, link_bwd).
+
+    [Note: bounds under a limit] Called with a ``limit`` (the best step found),
+    the least sums range only over the placements that could still reach it:
+    a stage holding [i, j) takes at least ``m·(f + b)`` of the step, so a
+    placement at or below the limit has no segment above it, and the dynamic
+    programs skip those segments. ``floor(s, i, j)`` gives (fwd, bwd, ...)
+    without recompute: non-decreasing in j, so each stage's
+    runs are tried only up to the first that exceeds the limit, and a chain of
+    n blocks on S stages costs S·n·(blocks per stage) instead of S·n². The
+    bounds then hold for every placement whose step is at most the limit (a
+    segment none of them holds gets infinity): all that pruning against it
+    needs. A larger limit than the tables were made for rebuilds them.
     """
 
     def __init__(
@@ -207,15 +218,21 @@ class SegmentBound:
         positions: Sequence[int],
         figures: Callable[[int, int, int], Sequence[float]],
         cuts: Callable[[int, int], Sequence[float]],
+        floor: Callable[[int, int, int], Sequence[float]] | None = None,
     ) -> None:
         self.S, self.m, self.gpipe = n_stages, micro_batches, schedule == "gpipe"
         self.pos = list(positions)
         self.index = {q: a for a, q in enumerate(self.pos)}
         self.figures, self.cuts = figures, cuts
+        self.floor = floor or figures
         self._tables: tuple[list[dict[int, float]], ...] | None = None
+        self._limit = math.inf
 
-    def __call__(self, s: int, i: int, j: int) -> float:
-        pf, pre, suf = self._tables or self._build()
+    def __call__(self, s: int, i: int, j: int, limit: float = math.inf) -> float:
+        if self._tables is None or limit > self._limit or limit < self._limit * (1 - 1e-6):
+            self._tables = self._build(limit)
+            self._limit = limit
+        pf, pre, suf = self._tables
         inf = math.inf
         f, b, red, tail = self.figures(s, i, j)
         own = self.m * (f + b) + red
@@ -226,21 +243,25 @@ class SegmentBound:
         first = pre[s].get(i, inf) + own + (tail if s == 0 else 0) + wait
         return max(pf[s].get(i, inf) + own + tail + wait, first)
 
-    def _segments(self, s: int, i: int) -> list[int]:
-        """Legal ends j of stage s starting at block i (room left for the later stages)."""
+    def _ends(self, s: int, i: int, limit: float) -> Iterator[int]:
+        """Legal ends j of stage s starting at block i (room left for the later stages),
+        while the stage's own least share of the step stays within ``limit``."""
         pos, S = self.pos, self.S
-        if s == S - 1:
-            return [pos[-1]]
-        a = self.index[i]
-        return [pos[b] for b in range(a + 1, len(pos) - (S - s - 1))]
+        last = [len(pos) - 1] if s == S - 1 else range(self.index[i] + 1, len(pos) - (S - s - 1))
+        for b in last:
+            j = pos[b]
+            f, bw = self.floor(s, i, j)[:2]
+            if self.m * (f + bw) > limit:
+                return
+            yield j
 
-    def _build(self) -> tuple[list[dict[int, float]], ...]:
+    def _build(self, limit: float) -> tuple[list[dict[int, float]], ...]:
         S, inf = self.S, math.inf
         pf: list[dict[int, float]] = [{0: 0.0}] + [{} for _ in range(S)]
         pre: list[dict[int, float]] = [{0: 0.0}] + [{} for _ in range(S)]
         for s in range(S - 1):
             for i in list(pf[s]):
-                for j in self._segments(s, i):
+                for j in self._ends(s, i, limit):
                     f, b, red, tail = self.figures(s, i, j)
                     lf, lb = self.cuts(s, j)
                     v = pf[s][i] + f + lf
@@ -253,7 +274,7 @@ class SegmentBound:
         for s in range(S - 1, 0, -1):
             for i in self.pos[s:-1]:
                 best = inf
-                for j in self._segments(s, i):
+                for j in self._ends(s, i, limit):
                     if j not in suf[s + 1]:
                         continue
                     f, b, _, _ = self.figures(s, i, j)
@@ -261,5 +282,4 @@ class SegmentBound:
                     best = min(best, f + b + link + suf[s + 1][j])
                 if best < inf:
                     suf[s][i] = best
-        self._tables = (pf, pre, suf)
-        return self._tables
+        return pf, pre, suf

@@ -27,8 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -121,6 +120,7 @@ def search(
     best_ms = math.inf
     oom_costs: list[CostModel] = []  # for the message when nothing fits
     laid = bounded(profile_for, cluster, training, configs, threads_for)
+    laid = _scouted_first(laid, training, allowed_starts)
     phase = f"searching {len(laid)} configurations"
     for k, cfg in enumerate(laid):
         if progress is not None:
@@ -165,6 +165,40 @@ def search(
     best.warnings = plan_warnings(best.layout, best.solution, best.prediction, options)
     best.warnings += fewer_processes(best.cost.cluster, cluster)
     return best
+
+
+def _scouted_first(
+    laid: list[Config], training: Training, allowed: frozenset[int] | None
+) -> list[Config]:
+    """``laid`` (best bound first) with the configuration whose quick placements (uniform,
+    time-balanced) simulate fastest moved to the front: solved first, its step is the
+    ceiling every other configuration is pruned against, and the configuration with the
+    least bound is often not the one that wins (a data-parallel step's all-reduce is not
+    in the bound). Configurations whose bound is above the best quick step are not
+    tried; order is all this changes (every configuration is still bounded or solved)."""
+    best, first = math.inf, 0
+    for k, cfg in enumerate(laid):
+        if cfg.bound >= best:
+            break
+        cost = _cost_model(cfg, training)
+        n, pp = cost.n_blocks, cost.layout.pp
+        works = [b.fwd_ms + b.bwd_ms for b in cost.profile.blocks]
+        quick = (baselines.uniform(n, pp, allowed), baselines.time_balanced(works, pp, allowed))
+        for starts in quick:
+            if len(starts) != pp or not _fits(cost, starts):
+                continue
+            step = cost.step_ms(starts)
+            if step < best:
+                best, first = step, k
+    return [laid[first], *laid[:first], *laid[first + 1 :]]
+
+
+def _fits(cost: CostModel, starts: Sequence[int]) -> bool:
+    bounds = [*starts, cost.n_blocks]
+    return all(
+        cost.stage_memory(s, bounds[s], bounds[s + 1]) <= cost.capacity[s]
+        for s in range(cost.layout.pp)
+    )
 
 
 def _cost_model(cfg: Config, training: Training) -> CostModel:
@@ -237,8 +271,9 @@ def place(
     ``ceiling``: the best step of the configurations before (``solve_step``).
 
     The closed-form ILP's placement and the usual heuristics' (uniform,
-    parameter- and time-balanced) are the step solver's warm starts; both
-    solves share ``options.time_limit_s``. The closed-form solver assumes that
+    parameter- and time-balanced, DeepSpeed's where cheap) are the step
+    solver's warm starts, made as it asks for them; both solves share
+    ``options.time_limit_s``. The closed-form solver assumes that
     a run of blocks that does not fit never fits once extended; a stage's
     receive buffers follow the tensors crossing its ends, so a longer run can
     fit where a shorter one does not, and its "nothing fits" is only believed
@@ -249,45 +284,64 @@ def place(
             stage needs what).
         PartitionTimeout: the limit ran out before any placement was found.
     """
-    started = time.perf_counter()
     limit = options.time_limit_s
-    seeds = [*starts, *_heuristics(cost, allowed)]
-    refused: PartitionInfeasible | None = None
-    if closed_form:
-        try:
-            first = solve_partition(
-                partition_problem(cost, allowed, names), solver=options.solver, time_limit_s=limit
-            )
-            seeds.insert(0, first.starts)
-        except PartitionInfeasible as exc:
-            refused = exc
-    left = None if limit is None else max(limit - (time.perf_counter() - started), 0.05)
+    refused: list[PartitionInfeasible] = []
+
+    def seeds() -> Iterator[tuple[int, ...]]:
+        """The warm starts, each made when the step solver asks for it (a configuration
+        its bounds prune against the ceiling needs one placement, not all of them)."""
+        heuristics = _heuristics(cost, allowed)
+        yield from starts
+        first = next(heuristics, None)  # uniform: the cheapest
+        if first is not None:
+            yield first
+        if closed_form:
+            try:
+                yield solve_partition(
+                    partition_problem(cost, allowed, names),
+                    solver=options.solver,
+                    time_limit_s=limit,
+                ).starts
+            except PartitionInfeasible as exc:
+                refused.append(exc)
+        yield from heuristics
+
     try:
         return solve_step(
             step_problem(cost, allowed, names),
             solver=options.solver,
-            time_limit_s=left,
-            warm_starts=seeds,
+            time_limit_s=limit,
+            warm_starts=seeds(),
             prove=prove,
             ceiling=ceiling,
         )
     except PartitionInfeasible:
-        if refused is not None:
-            raise refused from None  # its message names the block and the numbers
+        if refused:
+            raise refused[0] from None  # its message names the block and the numbers
         raise
 
 
-def _heuristics(cost: CostModel, allowed: frozenset[int] | None) -> list[tuple[int, ...]]:
-    """The usual partitioners' placements (those with a stage each)."""
+DEEPSPEED_SEED_WORK = 4_000_000
+"""blocks² × stages at most for DeepSpeed's split among the warm starts: its dynamic program
+costs that many steps (30 s for 512 blocks on 64 stages), and parameter_minmax already
+balances the same weights."""
+
+
+def _heuristics(cost: CostModel, allowed: frozenset[int] | None) -> Iterator[tuple[int, ...]]:
+    """The usual partitioners' placements (those with a stage each), each made on demand."""
     n, pp = cost.n_blocks, cost.layout.pp
-    blocks = cost.profile.blocks
-    out = []
-    for seed in (
-        baselines.uniform(n, pp, allowed),
-        baselines.parameter_minmax([b.param_bytes for b in blocks], pp, allowed),
-        baselines.deepspeed_balanced([b.param_bytes for b in blocks], pp, allowed),
-        baselines.time_balanced([b.fwd_ms + b.bwd_ms for b in blocks], pp, allowed),
-    ):
-        if len(seed) == pp and tuple(seed) not in out:
-            out.append(tuple(seed))
-    return out
+    params = [b.param_bytes for b in cost.profile.blocks]
+    works = [b.fwd_ms + b.bwd_ms for b in cost.profile.blocks]
+    makers: list[Callable[[], Sequence[int]]] = [
+        lambda: baselines.uniform(n, pp, allowed),
+        lambda: baselines.parameter_minmax(params, pp, allowed),
+    ]
+    if n * n * pp <= DEEPSPEED_SEED_WORK:
+        makers.append(lambda: baselines.deepspeed_balanced(params, pp, allowed))
+    makers.append(lambda: baselines.time_balanced(works, pp, allowed))
+    seen: set[tuple[int, ...]] = set()
+    for make in makers:
+        seed = tuple(make())
+        if len(seed) == pp and seed not in seen:
+            seen.add(seed)
+            yield seed

@@ -80,6 +80,7 @@ def step_problem(
         positions=[0, *legal, n],
         figures=prices.figures,
         cuts=prices.cuts,
+        floor=lambda s, i, j: prices.priced(s, i, j, False),
     )
     tied = tuple(frozenset(users) for _, _, users in cost.basis.tied if len(set(users)) > 1)
     return StepProblem(
@@ -94,6 +95,7 @@ def step_problem(
         evaluate=cost.step_ms,
         exact=prices.exact,
         seg_bound=bound,
+        seg_floor=prices.floor,
         rows=_throughput(cost, prices),
         tied=tied,
         waiter=graph.tails if tied else (),
@@ -136,11 +138,19 @@ class _Prices:
         return got
 
     def figures(self, s: int, i: int, j: int) -> tuple[float, float, float, float]:
-        """The figures with the stage's own recompute choice (it depends on the stage)."""
-        rc = self._recompute.get((s, i, j))
+        """The figures with the stage's own recompute choice (it depends on the stage's
+        memory: equal for stages of one class)."""
+        key = (self.classes[s], i, j)
+        rc = self._recompute.get(key)
         if rc is None:
-            rc = self._recompute[s, i, j] = self.cost.recompute(s, i, j)
+            rc = self._recompute[key] = self.cost.recompute(s, i, j)
         return self.priced(s, i, j, rc)
+
+    def floor(self, s: int, i: int, j: int) -> float:
+        """m·(f + b) without recompute: stage s's own actions, one after another (a lower
+        bound on the step, non-decreasing in j)."""
+        f, b, _, _ = self.priced(s, i, j, False)
+        return self.cost.layout.micro_batches * (f + b)
 
     def cuts(self, s: int, j: int) -> tuple[float, float]:
         got = self._cuts.get((s, j))
@@ -149,9 +159,10 @@ class _Prices:
         return got
 
     def memory(self, s: int, i: int, j: int) -> float:
-        got = self._memory.get((s, i, j))
+        key = (self.classes[s], i, j)
+        got = self._memory.get(key)
         if got is None:
-            got = self._memory[s, i, j] = self.cost.stage_memory(s, i, j)
+            got = self._memory[key] = self.cost.stage_memory(s, i, j)
         return got
 
 

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pulp
@@ -37,6 +36,7 @@ import pulp
 from planner.solve.ilp import MIP_REL_GAP, Outcome, pick_solver, run_cbc, run_highs
 from planner.solve.problem import PartitionInfeasible, PartitionTimeout
 from planner.solve.step_ilp import build_step_ilp, chosen
+from planner.solve.step_polish import polish
 from planner.solve.step_problem import StepProblem, StepSolution, StepStatus
 from planner.solve.step_table import Layers, StepTable
 
@@ -45,7 +45,6 @@ __all__ = [
     "ENUMERATE_WORK",
     "GAP_ROUNDS",
     "POLISH_BUDGET",
-    "POLISH_SEEDS",
     "PROVE_POLISH",
     "PROVE_WORK",
     "RESTARTS",
@@ -63,8 +62,6 @@ placement's graph nodes + 16 (a simulation costs about 0.3 ms + 20 µs a node on
 2-core machine: about 2 s). Counted, not timed: the same inputs give the same plan."""
 POLISH_BUDGET = 400
 """Evaluations at most spent on moving split points (bounded problems; 6 per block if more)."""
-POLISH_SEEDS = 2
-"""The best placements evaluated so far that the descent starts from."""
 PROVE_WORK = 1_000_000
 """``ENUMERATE_WORK`` of a bounded problem solved with ``prove=True`` (the configuration a
 plan keeps): about 10 to 20 s, which proves a 50-block chain on 4 stages optimal outright.
@@ -92,7 +89,7 @@ def solve_step(
     *,
     solver: str = "highs",
     time_limit_s: float | None = None,
-    warm_starts: Sequence[Sequence[int]] = (),
+    warm_starts: Iterable[Sequence[int]] = (),
     threads: int | None = None,
     prove: bool = True,
     ceiling: float | None = None,
@@ -135,7 +132,15 @@ def solve_step(
         raise ValueError(f"time_limit_s must be > 0 seconds or None (got {time_limit_s!r})")
     run = _Run(StepTable(problem), name, t0, t0 + (time_limit_s or math.inf), threads, prove)
     run.ceiling = ceiling
-    for ws in warm_starts:
+    starts = iter(warm_starts)
+    if ceiling is not None and problem.exact and run.t.count(run.t.layers(ceiling)) == 0:
+        # Nothing reaches the ceiling: one placement that fits, to answer with, is enough.
+        run.offer_first(starts)
+        if run.best is not None:
+            run.pruned_at = ceiling
+            note = f"no placement at or below {ceiling:.6g} ms (proven by the segment bounds)"
+            return run.answer("bounded", ceiling, "bounds", note)
+    for ws in starts:
         idx = run.t.indices(ws)
         if run.t.fits_all(idx):
             run.offer(idx)
@@ -148,29 +153,7 @@ def solve_step(
         # The placement first, counted: a lower incumbent also prunes what is left to prove.
         run.polish_left = [PROVE_POLISH * max(POLISH_BUDGET, 6 * run.t.K)]
         run.polish(run.deadline, restarts=RESTARTS)
-    beaten = ceiling is not None and problem.exact and bool(run.best) and ceiling < run.U
-    if beaten:  # only a placement at or below the ceiling matters: prune with it
-        assert ceiling is not None
-        run.pruned_at = ceiling
-        layers = run.t.layers(ceiling)
-        if run.t.count(layers) == 0:
-            note = f"no placement at or below {ceiling:.6g} ms (proven by the segment bounds)"
-            return run.answer("bounded", ceiling, "bounds", note)
-    else:
-        layers = run.t.layers(run.U, keep=[run.best] if run.best else [])
-    run.n_segments = sum(len(row) for layer in layers for row in layer.values())
-    if run.t.count(layers) == 0:
-        raise PartitionInfeasible(
-            f"no placement of {problem.n_blocks} blocks on {problem.n_stages} stages fits "
-            "every stage's memory"
-        )
-    low = run.t.bottleneck(layers)
-    if not beaten and low >= run.U * (1 - MIP_REL_GAP):
-        note = f"the segment bounds reach the step: every placement is ≥ {low:.6g} ms"
-        return run.answer("optimal", low, "bounds", note)
-    if run.enumerable(layers):
-        return run.enumerate(layers)
-    return run.milp(layers)
+    return run.settle()
 
 
 @dataclass
@@ -202,6 +185,42 @@ class _Run:
         if step < self.U * (1 - 1e-12) or self.best is None:
             self.best, self.U = list(idx), step
         return step
+
+    def settle(self) -> StepSolution:
+        """After the warm starts: prune the segments by U (or the ceiling, when lower), and
+        prove by the bounds, by enumeration or by the MILP."""
+        p, c = self.t.p, self.ceiling
+        beaten = c is not None and p.exact and bool(self.best) and c < self.U
+        if beaten:  # only a placement at or below the ceiling matters: prune with it
+            assert c is not None
+            self.pruned_at = c
+            layers = self.t.layers(c)
+            if self.t.count(layers) == 0:
+                note = f"no placement at or below {c:.6g} ms (proven by the segment bounds)"
+                return self.answer("bounded", c, "bounds", note)
+        else:
+            layers = self.t.layers(self.U, keep=[self.best] if self.best else [])
+        self.n_segments = sum(len(row) for layer in layers for row in layer.values())
+        if self.t.count(layers) == 0:
+            raise PartitionInfeasible(
+                f"no placement of {p.n_blocks} blocks on {p.n_stages} stages fits "
+                "every stage's memory"
+            )
+        low = self.t.bottleneck(layers)
+        if not beaten and low >= self.U * (1 - MIP_REL_GAP):
+            note = f"the segment bounds reach the step: every placement is ≥ {low:.6g} ms"
+            return self.answer("optimal", low, "bounds", note)
+        if self.enumerable(layers):
+            return self.enumerate(layers)
+        return self.milp(layers)
+
+    def offer_first(self, starts: Iterator[Sequence[int]]) -> None:
+        """Evaluate the first of ``starts`` that fits memory (the rest are left)."""
+        for ws in starts:
+            idx = self.t.indices(ws)
+            if self.t.fits_all(idx):
+                self.offer(idx)
+                return
 
     def work(self, placements: int) -> int:
         """``placements`` evaluations, in the units of ``ENUMERATE_WORK``."""
@@ -351,57 +370,11 @@ class _Run:
         return self.answer(status, bound, "bound+simulation", note)
 
     def polish(self, stop: float, restarts: int = 0) -> None:
-        """From each of the best few placements evaluated, and from ``restarts`` random
-        ones (seeded by the problem's size: the same each time), move one split point at
-        a time to its best position between its neighbours (every one is tried: the step
-        of a shared-core machine has valleys a step of a few blocks does not cross),
-        sweep after sweep while the step improves; until ``POLISH_BUDGET`` evaluations
-        (at least 6 per block) or the clock at ``stop``."""
+        """Local search from the best placements evaluated (:func:`polish`), on the
+        solve's one budget (at least ``POLISH_BUDGET`` evaluations, 6 per block if more)."""
         if self.polish_left is None:  # one budget for the whole solve
             self.polish_left = [max(POLISH_BUDGET, 6 * self.t.K)]
-        for seed in sorted(self.steps, key=self.steps.__getitem__)[:POLISH_SEEDS]:
-            self._sweep(list(seed), self.polish_left, stop)
-        rng = random.Random(self.t.K * 1009 + self.t.S)
-        K, S = self.t.K, self.t.S
-        for _ in range(restarts):
-            idx = [0, *sorted(rng.sample(range(1, K), S - 1)), K]
-            if self.t.fits_all(idx) and self.polish_left[0] > 0:
-                if tuple(idx) not in self.steps:
-                    self.polish_left[0] -= 1
-                    self.offer(idx)
-                self._sweep(idx, self.polish_left, stop)
-
-    def _sweep(self, cur: list[int], budget: list[int], stop: float) -> None:
-        """Line searches of one split point, then shifts of neighbouring pairs (a ridge
-        that moving one at a time cannot follow), until neither improves."""
-        here = self.steps[tuple(cur)]
-        improved = True
-        while improved:
-            improved = False
-            for idx in self._moves(cur):
-                if budget[0] <= 0 or time.perf_counter() > stop:
-                    return
-                step = self.steps.get(tuple(idx))
-                if step is None:
-                    if not self.t.fits_all(idx):
-                        continue
-                    budget[0] -= 1
-                    step = self.offer(idx)
-                if step < here * (1 - 1e-12):
-                    cur, here, improved = idx, step, True
-                    break
-
-    def _moves(self, cur: list[int]) -> Iterator[list[int]]:
-        S = self.t.S
-        for k in range(1, S):
-            for a in range(cur[k - 1] + 1, cur[k + 1]):
-                if a != cur[k]:
-                    yield [*cur[:k], a, *cur[k + 1 :]]
-        for k in range(1, S - 1):
-            for d in (-2, -1, 1, 2):
-                idx = [*cur[:k], cur[k] + d, cur[k + 1] + d, *cur[k + 2 :]]
-                if idx[k - 1] < idx[k] < idx[k + 1] < idx[k + 2]:
-                    yield idx
+        polish(self.t, self.steps, self.offer, self.polish_left, stop, restarts)
 
 
 def _bound(outcome: Outcome, path: list[int] | None, t: StepTable) -> float:

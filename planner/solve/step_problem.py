@@ -32,6 +32,7 @@ from planner.solve.problem import SegFn
 __all__ = [
     "GraphNode",
     "Row",
+    "SegBound",
     "StepProblem",
     "StepSolution",
     "StepStatus",
@@ -42,6 +43,12 @@ Term = tuple[int, int, float]
 """(stage or link, figure index, coefficient): one figure of a node's duration."""
 
 StepStatus = Literal["optimal", "bounded", "time_limit"]
+
+SegBound = Callable[[int, int, int, float], float]
+"""(s, i, j, limit) -> a lower bound on the step of every placement in which stage s
+holds blocks [i, j) and whose step is at most ``limit`` (any number above ``limit``
+when there is none): a bound that needs to hold only where a placement could still
+beat ``limit`` can leave the rest of the chain's placements out of its reckoning."""
 
 
 @dataclass(frozen=True)
@@ -85,9 +92,13 @@ class StepProblem:
         ends: the nodes the step waits for: its time is the latest of their ends.
         evaluate: starts -> the step of that placement (what the plan reports).
         exact: whether the graph's longest path equals ``evaluate``.
-        seg_bound: (s, i, j) -> a lower bound on the step of every placement in
-            which stage s holds [i, j) (segments whose bound exceeds the best
+        seg_bound: (s, i, j, limit) -> a lower bound on the step of every
+            placement in which stage s holds [i, j) and whose step is at most
+            ``limit`` (:data:`SegBound`; segments whose bound exceeds the best
             step found are dropped); None: no bound.
+        seg_floor: (s, i, j) -> a lower bound on the step of every placement in
+            which stage s holds [i, j), non-decreasing in j: a stage's runs from
+            one start are tried only while it stays under the best step found.
         rows: further lower bounds on the step, linear in the figures.
         tied: per tied tensor, the blocks that use it; stages holding users of
             one tensor (or, transitively, of tensors they share) are joined.
@@ -110,7 +121,8 @@ class StepProblem:
     ends: Sequence[int]
     evaluate: Callable[[tuple[int, ...]], float]
     exact: bool = True
-    seg_bound: SegFn | None = None
+    seg_bound: SegBound | None = None
+    seg_floor: SegFn | None = None
     rows: Sequence[Row] = ()
     tied: Sequence[frozenset[int]] = ()
     waiter: Sequence[int] = ()

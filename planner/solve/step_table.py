@@ -40,6 +40,7 @@ class StepTable:
         self._cut: dict[tuple[int, int], tuple[float, ...]] = {}
         self._mem: dict[tuple[int, int, int], float] = {}
         self._bound: dict[tuple[int, int, int], float] = {}
+        self.limit = math.inf  # the bounds hold for placements at or below it
 
     # ----------------------------------------------------------------- memoised figures
 
@@ -69,13 +70,14 @@ class StepTable:
         return v
 
     def bound(self, s: int, a: int, b: int) -> float:
+        """The segment's bound, for placements at or below the last ``layers`` limit."""
         fn = self.p.seg_bound
         if fn is None:
             return 0.0
         key = (s, a, b)
         v = self._bound.get(key)
         if v is None:
-            v = self._bound[key] = float(fn(s, self.pos[a], self.pos[b]))
+            v = self._bound[key] = float(fn(s, self.pos[a], self.pos[b], self.limit))
         return v
 
     def fits(self, s: int, a: int, b: int) -> bool:
@@ -93,28 +95,69 @@ class StepTable:
     def fits_all(self, idx: Sequence[int]) -> bool:
         return all(self.fits(s, idx[s], idx[s + 1]) for s in range(self.S))
 
+    def floor(self, s: int, a: int, b: int) -> float:
+        """The problem's ``seg_floor`` of the segment (0 without one)."""
+        fn = self.p.seg_floor
+        return 0.0 if fn is None else float(fn(s, self.pos[a], self.pos[b]))
+
     def layers(self, U: float, keep: Sequence[Sequence[int]] = ()) -> Layers:
-        """The segments that fit memory and whose bound is ≤ U (those of ``keep`` always),
-        trimmed to those some full placement passes through."""
+        """The segments that fit memory and lie on a placement whose every segment bound
+        is ≤ U (those of ``keep`` always): a bottleneck path through them.
+
+        Forward, each (stage, start) keeps the least largest bound of a path reaching
+        it, and a segment survives when that and its own bound are ≤ U; backward, the
+        same from the chain's end. A stage's runs from one start are tried only until
+        their ``seg_floor`` (non-decreasing in the end) exceeds U.
+        """
         S, K, limit = self.S, self.K, U + TOL * max(1.0, abs(U))
+        if limit != self.limit:  # [Note: bounds under a limit]
+            self.limit = limit
+            self._bound.clear()
+        bounded = math.isfinite(limit)  # no limit: nothing to prune by bound
         must = {(s, idx[s], idx[s + 1]) for idx in keep for s in range(S)}
         out: Layers = []
-        reach = {0}
+        reach = {0: 0.0}  # start -> the least largest bound of a path reaching it
         for s in range(S):
             layer: dict[int, list[int]] = {}
+            nxt: dict[int, float] = {}
             for a in sorted(reach):
-                top = K if s == S - 1 else K - S + s + 1
-                ends = [K] if s == S - 1 else range(a + 1, top + 1)
-                row = [
-                    b
-                    for b in ends
-                    if (s, a, b) in must or (self.bound(s, a, b) <= limit and self.fits(s, a, b))
-                ]
+                ends = [K] if s == S - 1 else range(a + 1, K - S + s + 2)
+                row = []
+                for b in ends:
+                    kept = (s, a, b) in must
+                    if bounded and not kept and self.floor(s, a, b) > limit:
+                        break
+                    v = max(reach[a], self.bound(s, a, b)) if bounded else 0.0
+                    if kept or (v <= limit and self.fits(s, a, b)):
+                        row.append(b)
+                        nxt[b] = min(nxt.get(b, math.inf), v)
                 if row:
                     layer[a] = row
             out.append(layer)
-            reach = {b for row in layer.values() for b in row}
-        return _trim(out, K)
+            reach = nxt
+        return self._back(_trim(out, K), limit if bounded else math.inf, must)
+
+    def _back(self, layers: Layers, limit: float, must: set[tuple[int, int, int]]) -> Layers:
+        """Drop the segments no bottleneck path ≤ ``limit`` reaches the chain's end from."""
+        if not math.isfinite(limit):
+            return layers
+        ahead = {self.K: 0.0}  # start of stage s + 1 -> least largest bound to the end
+        out: Layers = []
+        for s in range(self.S - 1, -1, -1):
+            kept: dict[int, list[int]] = {}
+            here: dict[int, float] = {}
+            for a, row in layers[s].items():
+                for b in row:
+                    if b not in ahead:
+                        continue
+                    v = max(ahead[b], self.bound(s, a, b))
+                    if v <= limit or (s, a, b) in must:
+                        kept.setdefault(a, []).append(b)
+                        here[a] = min(here.get(a, math.inf), v)
+            out.append(kept)
+            ahead = here
+        out.reverse()
+        return _trim(out, self.K)
 
     def count(self, layers: Layers) -> int:
         """Placements through the layers (paths from (0, 0) to (S, K))."""
