@@ -153,6 +153,12 @@ class CostModel:
         """The peak bytes of the segment, with the recompute choice of :meth:`stage_work`."""
         return self.memory(s, i, j, self.recompute(s, i, j)).total
 
+    def memory_floor(self, s: int, i: int, j: int) -> float:
+        """A lower bound on :meth:`stage_memory`, non-decreasing in j (the weights, their
+        gradients and optimizer state, buffers): a run longer than one that exceeds the
+        device with these alone does too."""
+        return self.memory_model.floor(s, i, j)
+
     def cut_ms(self, s: int, j: int) -> float:
         """Both transfers per micro-batch on link s → s+1 when stage s+1 starts at block j."""
         f, b = self.time.cut(s, j)

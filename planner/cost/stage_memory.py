@@ -138,6 +138,16 @@ class StageMemoryModel:
             activations=activations,
         )
 
+    def floor(self, s: int, i: int, j: int) -> float:
+        """Bytes stage s holds at its peak whatever else: the weights (and their bf16 copy),
+        all the gradients, the optimizer state, buffers and DDP's buckets of blocks [i, j)
+        (the optimizer step's moment holds all of them). Non-decreasing in j."""
+        b = self.b
+        n_params = b.parameters(s, i, j)
+        per = b.weights_b + b.cast_b + b.grads_b + b.optim_b + (b.grads_b if b.layout.dp > 1 else 0)
+        tab = b.table(s)
+        return n_params * per + tab.buffers[j] - tab.buffers[i]
+
     def _optimizer_temp(self, s: int, i: int, j: int) -> float:
         """Temporaries of the optimizer step (bytes): [Note: optimizer temporaries]."""
         b = self.b

@@ -190,9 +190,24 @@ class SegmentBound:
       it, so only the wait beyond the w − 1 forwards that overlap it,
       ``max(0, link + Suf − (w − 1)·f)``. Both paths above hold it.
 
+    [Note: 1F1B's two round trips] Stage s of 1F1B runs w = min(S − s, m)
+    forwards, its first backward, then alternates (F, B) and ends with w
+    backwards. Its first backward waits for micro-batch 0's round trip through
+    the later stages (``link + Suf``), which overlaps its w − 1 other warm-up
+    forwards; its last backward waits for the last micro-batch's round trip,
+    in which every later stage's backward is its last and all-reduces
+    (``link + Suf_red``), which overlaps its w − 1 other cool-down backwards.
+    With w < m the path through both costs ``m·(f + b) + reduce +
+    max(0, trip − (w − 1)·f) + max(0, trip_red − (w − 1)·b)``; with w = m
+    (every forward first) the second trip starts at the last forward, before
+    the first backward: ``max(f + max((m − 1)·f, trip) + m·b, m·f + trip_red + b)
+    + reduce``. On 1024 H100s the all-reduces of the later stages are most of a
+    Llama 70 B's step: without the second trip the bounds missed them.
+
     ``Pf``: least Σ (f + link_fwd) of the stages before s; ``Pre``: least
     Σ (f + b + reduce + links) before s, plus stage 0's tail; ``Suf``: least
-    Σ (f + b + links) after s (memory is not asked: the bounds stay valid, and
+    Σ (f + b + links) after s, ``Suf_red`` the same with their all-reduces
+    (memory is not asked: the bounds stay valid, and
     cheap). ``figures(s, i, j)`` gives (fwd, bwd, reduce, tail) no larger than
     the step's own, ``cuts(s, j)`` (link_fwd, link_bwd).
 
@@ -225,21 +240,28 @@ class SegmentBound:
         self.index = {q: a for a, q in enumerate(self.pos)}
         self.figures, self.cuts = figures, cuts
         self.floor = floor or figures
-        self._tables: tuple[list[dict[int, float]], ...] | None = None
+        self._tables: tuple[list[dict[int, float]], ...] | None = None  # pf, pre, suf, suf_red
         self._limit = math.inf
 
     def __call__(self, s: int, i: int, j: int, limit: float = math.inf) -> float:
         if self._tables is None or limit > self._limit or limit < self._limit * (1 - 1e-6):
             self._tables = self._build(limit)
             self._limit = limit
-        pf, pre, suf = self._tables
+        pf, pre, suf, suf_red = self._tables
         inf = math.inf
         f, b, red, tail = self.figures(s, i, j)
         own = self.m * (f + b) + red
         link = sum(self.cuts(s, j)) if s < self.S - 1 else 0.0
         trip = link + suf[s + 1].get(j, inf)  # micro-batch 0 on to the last stage and back
-        # GPipe: after its m forwards; 1F1B: while its w − 1 warm-up forwards run.
-        wait = trip if self.gpipe else max(0.0, trip - (min(self.S - s, self.m) - 1) * f)
+        if self.gpipe:  # after its m forwards
+            wait = trip
+        else:  # [Note: 1F1B's two round trips]
+            last_trip = link + suf_red[s + 1].get(j, inf)
+            m, w = self.m, min(self.S - s, self.m)
+            if w < m:
+                wait = max(0.0, trip - (w - 1) * f) + max(0.0, last_trip - (w - 1) * b)
+            else:
+                wait = max(f + max((m - 1) * f, trip) + m * b, m * f + last_trip + b) - m * (f + b)
         first = pre[s].get(i, inf) + own + (tail if s == 0 else 0) + wait
         return max(pf[s].get(i, inf) + own + tail + wait, first)
 
@@ -271,15 +293,17 @@ class SegmentBound:
                     if w < pre[s + 1].get(j, inf):
                         pre[s + 1][j] = w
         suf: list[dict[int, float]] = [{} for _ in range(S)] + [{self.pos[-1]: 0.0}]
+        suf_red: list[dict[int, float]] = [{} for _ in range(S)] + [{self.pos[-1]: 0.0}]
         for s in range(S - 1, 0, -1):
             for i in self.pos[s:-1]:
-                best = inf
+                best = best_red = inf
                 for j in self._ends(s, i, limit):
                     if j not in suf[s + 1]:
                         continue
-                    f, b, _, _ = self.figures(s, i, j)
+                    f, b, red, _ = self.figures(s, i, j)
                     link = sum(self.cuts(s, j)) if s < S - 1 else 0.0
                     best = min(best, f + b + link + suf[s + 1][j])
+                    best_red = min(best_red, f + b + red + link + suf_red[s + 1][j])
                 if best < inf:
-                    suf[s][i] = best
-        return pf, pre, suf
+                    suf[s][i], suf_red[s][i] = best, best_red
+        return pf, pre, suf, suf_red

@@ -89,6 +89,7 @@ def step_problem(
         seg_figures=prices.figures,
         cut_figures=prices.cuts,
         seg_memory=prices.memory,
+        seg_memory_floor=cost.memory_floor,
         capacity=cost.capacity,
         nodes=[_node(node) for node in graph.nodes],
         ends=graph.tails,

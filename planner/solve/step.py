@@ -35,7 +35,7 @@ import pulp
 
 from planner.solve.ilp import MIP_REL_GAP, Outcome, pick_solver, run_cbc, run_highs
 from planner.solve.problem import PartitionInfeasible, PartitionTimeout
-from planner.solve.step_ilp import build_step_ilp, chosen
+from planner.solve.step_ilp import build_step_ilp, chosen, milp_bound
 from planner.solve.step_polish import polish
 from planner.solve.step_problem import StepProblem, StepSolution, StepStatus
 from planner.solve.step_table import Layers, StepTable
@@ -49,6 +49,7 @@ __all__ = [
     "PROVE_WORK",
     "RESTARTS",
     "ROUND_SEGMENTS",
+    "TIGHTEN_ROUNDS",
     "solve_step",
 ]
 
@@ -69,6 +70,7 @@ Its graph bounds rank its placements too poorly to stop early (a ResNet's best w
 15 200th of 18 834)."""
 PROVE_POLISH = 4
 """How many times the budget the configuration a plan keeps is polished with."""
+TIGHTEN_ROUNDS = 4  # placements at the segment bounds' bottleneck evaluated, at most
 RESTARTS = 8
 """Random placements the kept configuration is also polished from."""
 BOUND_NODES = 400
@@ -175,6 +177,7 @@ class _Run:
     polish_left: list[int] | None = None
     ceiling: float | None = None
     pruned_at: float | None = None  # the layers hold only segments whose bound is ≤ this
+    floor: float = 0.0  # the segment bounds' least bottleneck: no placement is below it
 
     def offer(self, idx: list[int]) -> float:
         """Evaluate a placement; keep it when it beats the incumbent."""
@@ -199,14 +202,15 @@ class _Run:
                 note = f"no placement at or below {c:.6g} ms (proven by the segment bounds)"
                 return self.answer("bounded", c, "bounds", note)
         else:
-            layers = self.t.layers(self.U, keep=[self.best] if self.best else [])
+            layers = self.tightened(self.t.layers(self.U, keep=[self.best] if self.best else []))
         self.n_segments = sum(len(row) for layer in layers for row in layer.values())
         if self.t.count(layers) == 0:
             raise PartitionInfeasible(
                 f"no placement of {p.n_blocks} blocks on {p.n_stages} stages fits "
                 "every stage's memory"
             )
-        low = self.t.bottleneck(layers)
+        low, _ = self.t.bottleneck(layers)
+        self.floor = low
         if not beaten and low >= self.U * (1 - MIP_REL_GAP):
             note = f"the segment bounds reach the step: every placement is ≥ {low:.6g} ms"
             return self.answer("optimal", low, "bounds", note)
@@ -214,9 +218,22 @@ class _Run:
             return self.enumerate(layers)
         return self.milp(layers)
 
+    def tightened(self, layers: Layers) -> Layers:
+        """Evaluate the placement at the layers' bottleneck bound (they rank placements
+        well); while it beats U, prune again under it (``TIGHTEN_ROUNDS`` at most)."""
+        for _ in range(TIGHTEN_ROUNDS):
+            _, path = self.t.bottleneck(layers)
+            if path is None or tuple(path) in self.steps or not self.t.fits_all(path):
+                break
+            before = self.U
+            self.offer(path)
+            if before <= self.U:
+                break
+            layers = self.t.layers(self.U, keep=[self.best] if self.best else [])
+        return layers
+
     def offer_first(self, starts: Iterator[Sequence[int]]) -> None:
-        """Evaluate the first of ``starts`` that fits memory (the rest are left)."""
-        for ws in starts:
+        for ws in starts:  # the first that fits memory (the rest are left)
             idx = self.t.indices(ws)
             if self.t.fits_all(idx):
                 self.offer(idx)
@@ -241,7 +258,7 @@ class _Run:
                 "any placement was found: raise the limit or give a warm start"
             )
         U = self.U
-        bound = min(bound, U)
+        bound = min(max(bound, self.floor), U)
         if status != "optimal" and U - bound <= MIP_REL_GAP * abs(U):
             status = "optimal"
         return StepSolution(
@@ -317,7 +334,7 @@ class _Run:
                     f"the step's graph gives {graph!r} for {self.t.starts(path)} but the step "
                     f"is {step!r}: the problem says exact=True, so they must agree"
                 )
-        bound = _bound(outcome, path, self.t)
+        bound = milp_bound(outcome, path, self.t)
         if self.t.p.exact:
             status: StepStatus = "optimal" if outcome.proven else "bounded"
             if outcome.limited:
@@ -360,7 +377,7 @@ class _Run:
                 bound = self.U if outcome.proven or not outcome.limited else bound
                 break
             if outcome.proven:
-                bound = max(bound, min(self.U, _bound(outcome, last, self.t)))
+                bound = max(bound, min(self.U, milp_bound(outcome, last, self.t)))
             if last is not None and tuple(last) not in self.steps:
                 self.offer(last)
                 self.polish(stop)
@@ -375,10 +392,3 @@ class _Run:
         if self.polish_left is None:  # one budget for the whole solve
             self.polish_left = [max(POLISH_BUDGET, 6 * self.t.K)]
         polish(self.t, self.steps, self.offer, self.polish_left, stop, restarts)
-
-
-def _bound(outcome: Outcome, path: list[int] | None, t: StepTable) -> float:
-    """The MILP's proven lower bound on the graph's value: its optimum, or its dual bound."""
-    if outcome.proven and path is not None:
-        return max(outcome.bound or 0.0, t.graph_times(path)[0] * (1 - MIP_REL_GAP))
-    return max(outcome.bound or 0.0, 0.0)

@@ -28,10 +28,10 @@ from collections.abc import Sequence
 
 import pulp
 
-from planner.solve.ilp import chosen_path
+from planner.solve.ilp import MIP_REL_GAP, Outcome, chosen_path
 from planner.solve.step_table import Layers, StepTable, value
 
-__all__ = ["build_step_ilp", "chosen"]
+__all__ = ["build_step_ilp", "chosen", "milp_bound"]
 
 _X = dict[tuple[int, int, int], pulp.LpVariable]
 
@@ -209,3 +209,10 @@ def _initial(
 def chosen(t: StepTable, x: _X) -> list[int] | None:
     """The placement (index form) the solved MILP's binaries describe, or None."""
     return chosen_path(t.S, t.K, x)
+
+
+def milp_bound(outcome: Outcome, path: list[int] | None, t: StepTable) -> float:
+    """The MILP's proven lower bound on the graph's value: its optimum, or its dual bound."""
+    if outcome.proven and path is not None:
+        return max(outcome.bound or 0.0, t.graph_times(path)[0] * (1 - MIP_REL_GAP))
+    return max(outcome.bound or 0.0, 0.0)

@@ -99,6 +99,9 @@ class StepProblem:
         seg_floor: (s, i, j) -> a lower bound on the step of every placement in
             which stage s holds [i, j), non-decreasing in j: a stage's runs from
             one start are tried only while it stays under the best step found.
+        seg_memory_floor: (s, i, j) -> a lower bound on ``seg_memory``,
+            non-decreasing in j: a stage's runs from one start are tried only
+            while it fits the stage's capacity.
         rows: further lower bounds on the step, linear in the figures.
         tied: per tied tensor, the blocks that use it; stages holding users of
             one tensor (or, transitively, of tensors they share) are joined.
@@ -123,6 +126,7 @@ class StepProblem:
     exact: bool = True
     seg_bound: SegBound | None = None
     seg_floor: SegFn | None = None
+    seg_memory_floor: SegFn | None = None
     rows: Sequence[Row] = ()
     tied: Sequence[frozenset[int]] = ()
     waiter: Sequence[int] = ()

@@ -95,10 +95,13 @@ class StepTable:
     def fits_all(self, idx: Sequence[int]) -> bool:
         return all(self.fits(s, idx[s], idx[s + 1]) for s in range(self.S))
 
-    def floor(self, s: int, a: int, b: int) -> float:
-        """The problem's ``seg_floor`` of the segment (0 without one)."""
-        fn = self.p.seg_floor
-        return 0.0 if fn is None else float(fn(s, self.pos[a], self.pos[b]))
+    def too_big(self, s: int, a: int, b: int, limit: float) -> bool:
+        """Whether the segment, and so every longer one from its start, is beyond the
+        limit by the problem's floors (``seg_floor``, ``seg_memory_floor``)."""
+        p, i, j = self.p, self.pos[a], self.pos[b]
+        if p.seg_memory_floor is not None and p.seg_memory_floor(s, i, j) > p.capacity[s]:
+            return True
+        return p.seg_floor is not None and p.seg_floor(s, i, j) > limit
 
     def layers(self, U: float, keep: Sequence[Sequence[int]] = ()) -> Layers:
         """The segments that fit memory and lie on a placement whose every segment bound
@@ -107,7 +110,8 @@ class StepTable:
         Forward, each (stage, start) keeps the least largest bound of a path reaching
         it, and a segment survives when that and its own bound are ≤ U; backward, the
         same from the chain's end. A stage's runs from one start are tried only until
-        their ``seg_floor`` (non-decreasing in the end) exceeds U.
+        their ``seg_floor`` exceeds U or their ``seg_memory_floor`` the stage's capacity
+        (both non-decreasing in the end).
         """
         S, K, limit = self.S, self.K, U + TOL * max(1.0, abs(U))
         if limit != self.limit:  # [Note: bounds under a limit]
@@ -125,7 +129,7 @@ class StepTable:
                 row = []
                 for b in ends:
                     kept = (s, a, b) in must
-                    if bounded and not kept and self.floor(s, a, b) > limit:
+                    if not kept and self.too_big(s, a, b, limit if bounded else math.inf):
                         break
                     v = max(reach[a], self.bound(s, a, b)) if bounded else 0.0
                     if kept or (v <= limit and self.fits(s, a, b)):
@@ -170,22 +174,24 @@ class StepTable:
             ways = nxt
         return ways.get(self.K, 0)
 
-    def bottleneck(self, layers: Layers) -> float:
+    def bottleneck(self, layers: Layers) -> tuple[float, list[int] | None]:
         """The least, over the placements through the layers, of their largest segment
-        bound: every one of them has a step at least this (inf when there is none)."""
-        best = {0: 0.0}
+        bound (every one of them has a step at least this; inf when there is none), and a
+        placement that reaches it (index form): often a good one to evaluate."""
+        best: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, (0,))}
         for s, layer in enumerate(layers):
-            nxt: dict[int, float] = {}
+            nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
             for a, row in layer.items():
                 here = best.get(a)
                 if here is None:
                     continue
                 for b in row:
-                    v = max(here, self.bound(s, a, b))
-                    if v < nxt.get(b, math.inf):
-                        nxt[b] = v
+                    v = max(here[0], self.bound(s, a, b))
+                    if v < nxt.get(b, (math.inf,))[0]:
+                        nxt[b] = (v, (*here[1], b))
             best = nxt
-        return best.get(self.K, math.inf)
+        v, path = best.get(self.K, (math.inf, ()))
+        return v, list(path) if path else None
 
     def paths(self, layers: Layers) -> Iterator[list[int]]:
         """Every placement through the layers, in index form (depth first)."""

@@ -235,7 +235,8 @@ def test_every_lower_bound_is_below_the_step_of_every_placement(kind: str) -> No
         profiles, cluster, training, lay = _parts(500 + seed, kind)
         cost = CostModel(profiles, cluster, training, lay)
         problem = step_problem(cost)
-        assert problem.seg_bound is not None
+        assert problem.seg_bound is not None and problem.seg_floor is not None
+        seg_floor = problem.seg_floor
         configs = bounded(
             # a device type the layout leaves unused: any profile (the bound takes the least)
             lambda device, b, profiles=profiles: profiles.get(
@@ -246,10 +247,19 @@ def test_every_lower_bound_is_below_the_step_of_every_placement(kind: str) -> No
             [(lay.pp, lay.dp, lay.micro_batches, lay.schedule)],
         )
         floor = next(c.bound for c in configs if c.grid == lay.ranks)
+        n = cost.n_blocks
+        for s in range(lay.pp):  # the floors the solver stops a stage's runs at
+            for i in range(n):
+                mem = [cost.memory_floor(s, i, j) for j in range(i + 1, n + 1)]
+                work = [seg_floor(s, i, j) for j in range(i + 1, n + 1)]
+                assert mem == sorted(mem) and work == sorted(work)
+                for j in range(i + 1, n + 1):
+                    assert cost.memory_floor(s, i, j) <= cost.stage_memory(s, i, j) * (1 + REL)
         for cuts in itertools.combinations(range(1, cost.n_blocks), lay.pp - 1):
             bounds = [0, *cuts, cost.n_blocks]
             step = cost.step_ms(tuple(bounds[:-1]))
             assert floor <= step * (1 + REL), (seed, bounds)
             for s in range(lay.pp):
-                seg = problem.seg_bound(s, bounds[s], bounds[s + 1])
+                seg = problem.seg_bound(s, bounds[s], bounds[s + 1], step * (1 + REL))
                 assert seg <= step * (1 + REL), (seed, s, bounds, seg, step)
+                assert seg_floor(s, bounds[s], bounds[s + 1]) <= step * (1 + REL)
