@@ -221,7 +221,9 @@ class SegmentBound:
     n blocks on S stages costs S·n·(blocks per stage) instead of S·n². The
     bounds then hold for every placement whose step is at most the limit (a
     segment none of them holds gets infinity): all that pruning against it
-    needs. A larger limit than the tables were made for rebuilds them.
+    needs. A larger limit than the tables were made for rebuilds them. ``fits(s, i,
+    j)``, when given, is False for a run that cannot fit its stage however it is
+    placed, nor can any longer one from i (a memory floor): those are no placement's.
     """
 
     def __init__(
@@ -234,12 +236,14 @@ class SegmentBound:
         figures: Callable[[int, int, int], Sequence[float]],
         cuts: Callable[[int, int], Sequence[float]],
         floor: Callable[[int, int, int], Sequence[float]] | None = None,
+        fits: Callable[[int, int, int], bool] | None = None,
     ) -> None:
         self.S, self.m, self.gpipe = n_stages, micro_batches, schedule == "gpipe"
         self.pos = list(positions)
         self.index = {q: a for a, q in enumerate(self.pos)}
         self.figures, self.cuts = figures, cuts
         self.floor = floor or figures
+        self.fits = fits  # False when no longer run from the same start fits either
         self._tables: tuple[list[dict[int, float]], ...] | None = None  # pf, pre, suf, suf_red
         self._limit = math.inf
 
@@ -273,7 +277,7 @@ class SegmentBound:
         for b in last:
             j = pos[b]
             f, bw = self.floor(s, i, j)[:2]
-            if self.m * (f + bw) > limit:
+            if self.m * (f + bw) > limit or (self.fits is not None and not self.fits(s, i, j)):
                 return
             yield j
 

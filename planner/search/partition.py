@@ -81,6 +81,7 @@ def step_problem(
         figures=prices.figures,
         cuts=prices.cuts,
         floor=lambda s, i, j: prices.priced(s, i, j, False),
+        fits=lambda s, i, j: cost.memory_floor(s, i, j) <= cost.capacity[s],
     )
     tied = tuple(frozenset(users) for _, _, users in cost.basis.tied if len(set(users)) > 1)
     return StepProblem(

@@ -5,7 +5,14 @@ from __future__ import annotations
 import math
 import time
 
-from planner.solve.problem import PartitionInfeasible, PartitionProblem, format_bytes
+from planner.solve.problem import (
+    PartitionInfeasible,
+    PartitionProblem,
+    unfit_block,
+    unfit_last,
+    unfit_stage,
+    unfit_whole,
+)
 from planner.solve.segments import SegmentCosts
 
 __all__ = ["check_feasible", "heuristic", "heuristic_partition", "tie_break"]
@@ -60,12 +67,8 @@ def check_feasible(c: SegmentCosts, *, reach: bool = True) -> None:
         what = p.block_label(c.pos[a], c.pos[a + 1])
         if c.pos[a + 1] - c.pos[a] > 1:
             what += " (no legal split point between them)"
-        raise PartitionInfeasible(
-            f"no stage can hold {what} within {format_bytes(max(c.cap[t] for t in stages))}: "
-            f"it needs {format_bytes(need)} on stage {s} (capacity {format_bytes(c.cap[s])}).\n"
-            "  fix: recompute activations, use fewer samples per micro-batch, split the block, "
-            "or give the stage a device with more memory"
-        )
+        room = max(c.cap[t] for t in stages)
+        raise PartitionInfeasible(unfit_block(what, room, need, s, c.cap[s]))
     if not reach:
         return
     R, last = _reach(c, math.inf)
@@ -73,29 +76,14 @@ def check_feasible(c: SegmentCosts, *, reach: bool = True) -> None:
         return
     s = len(R) - 1
     if S == 1:
-        raise PartitionInfeasible(
-            f"the blocks do not fit in the memory of one stage: "
-            f"{p.block_label(0, p.n_blocks)} need {format_bytes(c.mem(0, 0, K))} against "
-            f"{format_bytes(c.cap[0])}.\n  fix: use more stages or larger devices, recompute "
-            "activations, or fewer samples per micro-batch"
-        )
+        whole = p.block_label(0, p.n_blocks)
+        raise PartitionInfeasible(unfit_whole(whole, c.mem(0, 0, K), c.cap[0]))
     if R[-1]:  # the last stage cannot take what the others leave
         a = R[-1][-1]
-        need, cap = c.mem(S - 1, a, K), c.cap[S - 1]
-        raise PartitionInfeasible(
-            f"the blocks do not fit in the memory of {S} stages: filling stages 0..{S - 2} "
-            f"as far as memory allows leaves {p.block_label(c.pos[a], p.n_blocks)} for "
-            f"stage {S - 1}, needing {format_bytes(need)} against {format_bytes(cap)}.\n"
-            "  fix: use more stages or larger devices, recompute activations, or fewer samples "
-            "per micro-batch"
-        )
+        left = p.block_label(c.pos[a], p.n_blocks)
+        raise PartitionInfeasible(unfit_last(S, left, c.mem(S - 1, a, K), c.cap[S - 1]))
     need = min(c.mem(s - 1, a, a + 1) for a in R[s - 1])
-    raise PartitionInfeasible(
-        f"the blocks do not fit in the memory of {S} stages: stage {s - 1} "
-        f"({format_bytes(c.cap[s - 1])}) cannot hold any run of blocks where stages "
-        f"0..{s - 2} can end (the smallest needs {format_bytes(need)}).\n  fix: use larger "
-        "devices for it, recompute activations, or fewer samples per micro-batch"
-    )
+    raise PartitionInfeasible(unfit_stage(S, s - 1, c.cap[s - 1], need))
 
 
 # ---------------------------------------------------------------- ties

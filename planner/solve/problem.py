@@ -17,8 +17,13 @@ __all__ = [
     "SegFn",
     "SolverUnavailable",
     "Status",
+    "block_label",
     "format_bytes",
     "placement_indices",
+    "unfit_block",
+    "unfit_last",
+    "unfit_stage",
+    "unfit_whole",
 ]
 
 SOLVERS = ("auto", "highs", "cbc")
@@ -124,10 +129,14 @@ class PartitionProblem:
 
     def block_label(self, i: int, j: int | None = None) -> str:
         """'block 3 ('layers.2')' or 'blocks 3..5', for messages."""
-        names = self.block_names
-        if j is None or j == i + 1:
-            return f"block {i}" + (f" ({names[i]!r})" if names else "")
-        return f"blocks {i}..{j - 1}" + (f" ({names[i]!r}..{names[j - 1]!r})" if names else "")
+        return block_label(self.block_names, i, j)
+
+
+def block_label(names: Sequence[str] | None, i: int, j: int | None = None) -> str:
+    """'block 3 ('layers.2')' or 'blocks 3..5 ('a'..'c')' (``names``: per block, or None)."""
+    if j is None or j == i + 1:
+        return f"block {i}" + (f" ({names[i]!r})" if names else "")
+    return f"blocks {i}..{j - 1}" + (f" ({names[i]!r}..{names[j - 1]!r})" if names else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,3 +203,48 @@ def format_bytes(x: float) -> str:
         if abs(x) >= size:
             return f"{x / size:.1f} {unit}"
     return f"{x:.0f} B"
+
+
+# ---------------------------------------------------------------- why nothing fits
+# The words of both solvers (the closed form's and the step's) when no placement fits.
+
+_FIX_STAGES = (
+    "use more stages or larger devices, recompute activations, or fewer samples per micro-batch"
+)
+
+
+def unfit_block(what: str, room: float, need: float, stage: int, capacity: float) -> str:
+    """One run between legal split points fits no stage that could hold it."""
+    return (
+        f"no stage can hold {what} within {format_bytes(room)}: it needs {format_bytes(need)} "
+        f"on stage {stage} (capacity {format_bytes(capacity)}).\n  fix: recompute "
+        "activations, use fewer samples per micro-batch, split the block, or give the stage "
+        "a device with more memory"
+    )
+
+
+def unfit_whole(what: str, need: float, capacity: float) -> str:
+    """One stage cannot hold the whole chain."""
+    return (
+        f"the blocks do not fit in the memory of one stage: {what} need {format_bytes(need)} "
+        f"against {format_bytes(capacity)}.\n  fix: {_FIX_STAGES}"
+    )
+
+
+def unfit_last(n_stages: int, left: str, need: float, capacity: float) -> str:
+    """The stages before the last, filled as far as memory allows, leave it too much."""
+    return (
+        f"the blocks do not fit in the memory of {n_stages} stages: filling stages "
+        f"0..{n_stages - 2} as far as memory allows leaves {left} for stage {n_stages - 1}, "
+        f"needing {format_bytes(need)} against {format_bytes(capacity)}.\n  fix: {_FIX_STAGES}"
+    )
+
+
+def unfit_stage(n_stages: int, stage: int, capacity: float, need: float) -> str:
+    """A stage cannot hold any run starting where the stages before it can end."""
+    return (
+        f"the blocks do not fit in the memory of {n_stages} stages: stage {stage} "
+        f"({format_bytes(capacity)}) cannot hold any run of blocks where stages "
+        f"0..{stage - 1} can end (the smallest needs {format_bytes(need)}).\n  fix: use larger "
+        "devices for it, recompute activations, or fewer samples per micro-batch"
+    )

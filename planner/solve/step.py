@@ -135,13 +135,12 @@ def solve_step(
     run = _Run(StepTable(problem), name, t0, t0 + (time_limit_s or math.inf), threads, prove)
     run.ceiling = ceiling
     starts = iter(warm_starts)
-    if ceiling is not None and problem.exact and run.t.count(run.t.layers(ceiling)) == 0:
-        # Nothing reaches the ceiling: one placement that fits, to answer with, is enough.
-        run.offer_first(starts)
-        if run.best is not None:
-            run.pruned_at = ceiling
-            note = f"no placement at or below {ceiling:.6g} ms (proven by the segment bounds)"
-            return run.answer("bounded", ceiling, "bounds", note)
+    run.offer_first(starts)  # the cheapest warm start (or why nothing fits)
+    prunable = ceiling is not None and problem.exact and run.best is not None
+    if prunable and run.t.count(run.t.layers(ceiling or 0.0)) == 0:  # nothing reaches it
+        run.pruned_at = ceiling  # answer with that placement
+        note = f"no placement at or below {ceiling:.6g} ms (proven by the segment bounds)"
+        return run.answer("bounded", ceiling or 0.0, "bounds", note)
     for ws in starts:
         idx = run.t.indices(ws)
         if run.t.fits_all(idx):
@@ -205,10 +204,7 @@ class _Run:
             layers = self.tightened(self.t.layers(self.U, keep=[self.best] if self.best else []))
         self.n_segments = sum(len(row) for layer in layers for row in layer.values())
         if self.t.count(layers) == 0:
-            raise PartitionInfeasible(
-                f"no placement of {p.n_blocks} blocks on {p.n_stages} stages fits "
-                "every stage's memory"
-            )
+            raise PartitionInfeasible(self.t.why_infeasible())
         low, _ = self.t.bottleneck(layers)
         self.floor = low
         if not beaten and low >= self.U * (1 - MIP_REL_GAP):
@@ -233,11 +229,15 @@ class _Run:
         return layers
 
     def offer_first(self, starts: Iterator[Sequence[int]]) -> None:
-        for ws in starts:  # the first that fits memory (the rest are left)
+        """Evaluate the first of ``starts`` that fits memory (the rest are left); when the
+        first of them does not fit, first make sure that some placement does."""
+        for k, ws in enumerate(starts):
             idx = self.t.indices(ws)
             if self.t.fits_all(idx):
                 self.offer(idx)
                 return
+            if k == 0 and self.best is None and self.t.count(self.t.layers(math.inf)) == 0:
+                raise PartitionInfeasible(self.t.why_infeasible())  # before more warm starts
 
     def work(self, placements: int) -> int:
         """``placements`` evaluations, in the units of ``ENUMERATE_WORK``."""

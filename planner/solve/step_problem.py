@@ -45,8 +45,8 @@ Term = tuple[int, int, float]
 StepStatus = Literal["optimal", "bounded", "time_limit"]
 
 SegBound = Callable[[int, int, int, float], float]
-"""(s, i, j, limit) -> a lower bound on the step of every placement in which stage s
-holds blocks [i, j) and whose step is at most ``limit`` (any number above ``limit``
+"""(s, i, j, limit) -> a lower bound on the step of every placement that fits memory, in
+which stage s holds blocks [i, j) and whose step is at most ``limit`` (any number above ``limit``
 when there is none): a bound that needs to hold only where a placement could still
 beat ``limit`` can leave the rest of the chain's placements out of its reckoning."""
 

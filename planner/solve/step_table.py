@@ -13,7 +13,14 @@ import math
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 
-from planner.solve.problem import placement_indices
+from planner.solve.problem import (
+    block_label,
+    placement_indices,
+    unfit_block,
+    unfit_last,
+    unfit_stage,
+    unfit_whole,
+)
 from planner.solve.step_problem import StepProblem, Term
 
 __all__ = ["TOL", "Layers", "StepTable"]
@@ -162,6 +169,41 @@ class StepTable:
             ahead = here
         out.reverse()
         return _trim(out, self.K)
+
+    def why_infeasible(self) -> str:
+        """Why no placement fits memory (when none does), in the closed-form solver's words:
+        a run between split points no stage can hold, or the stage that cannot take what
+        the stages before it leave."""
+        p, S, K = self.p, self.S, self.K
+        names = p.block_names
+        for a in range(K):  # each run between legal split points must fit some stage
+            stages = range(max(0, a - (K - S)), min(a, S - 1) + 1)
+            if any(self.fits(s, a, a + 1) for s in stages):
+                continue
+            need, s = min((self.mem(s, a, a + 1), s) for s in stages)
+            what = block_label(names, self.pos[a], self.pos[a + 1])
+            if self.pos[a + 1] - self.pos[a] > 1:
+                what += " (no legal split point between them)"
+            room = max(p.capacity[t] for t in stages)
+            return unfit_block(what, room, need, s, p.capacity[s])
+        if S == 1:
+            return unfit_whole(block_label(names, 0, p.n_blocks), self.mem(0, 0, K), p.capacity[0])
+        reach = {0}
+        for s in range(S - 1):
+            nxt = set()
+            for a in reach:
+                for b in range(a + 1, K - S + s + 2):
+                    if self.too_big(s, a, b, math.inf):
+                        break
+                    if self.fits(s, a, b):
+                        nxt.add(b)
+            if not nxt:
+                need = min(self.mem(s, a, a + 1) for a in reach)
+                return unfit_stage(S, s, p.capacity[s], need)
+            reach = nxt
+        a = max(reach)
+        left = block_label(names, self.pos[a], p.n_blocks)
+        return unfit_last(S, left, self.mem(S - 1, a, K), p.capacity[S - 1])
 
     def count(self, layers: Layers) -> int:
         """Placements through the layers (paths from (0, 0) to (S, K))."""
