@@ -176,3 +176,37 @@ def test_plan_refuses_an_unwritable_out_before_profiling(capsys, tmp_path) -> No
     err = capsys.readouterr().err
     assert rc == 1 and f"--out {taken} is a folder" in err and "Traceback" not in err
     assert not (tmp_path / "cache").exists()  # refused before any profiling
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_quick_starts_first_plan_pipelines_a_6b_gpt_on_h100s(tmp_path, capsys) -> None:
+    """The README's first command: the 6.7 B GPT must pipeline on 8 H100s (its weights,
+    gradients and Adam state exceed one), planned from shapes alone, and be proven."""
+    import resource
+
+    from planner.plan import load_plan
+
+    out = tmp_path / "plan.yaml"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rc = main(
+        [
+            "plan",
+            str(ROOT / "examples" / "gpt_6b.py"),
+            "--gpus",
+            "8",
+            "--device-type",
+            "h100",
+            "--precision",
+            "bf16-mixed",
+            "--out",
+            str(out),
+        ]
+    )
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert rc == 0, capsys.readouterr()
+    plan = load_plan(out)
+    assert plan.model.parameters > 6.5e9
+    assert plan.pp >= 2 and plan.pp * plan.dp == 8
+    assert plan.solver.status == "optimal"
+    assert grown_mib < 1024  # shapes only: 27 GB of fp32 weights are never allocated
