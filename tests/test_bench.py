@@ -117,6 +117,7 @@ class _Sol:
     status: str
     gap: float | None
     n_segments: int = 10
+    bound: float | None = None
 
 
 def test_scaling_grid_and_proof_record() -> None:
@@ -129,14 +130,26 @@ def test_scaling_grid_and_proof_record() -> None:
         (64, 512),
     ]
     assert len(bench_scaling.grid(False)) == len(bench_scaling.BLOCKS) * len(bench_scaling.DEVICES)
-    assert bench_scaling.solve_record([_Sol("optimal", 0.0)] * 2)["all_optimal"]
+    assert bench_scaling.solve_record([_Sol("optimal", 0.0)] * 2)["proven"]
+    # ruled out by the ceiling (its bound reaches the chosen step): a proof, counted apart
+    pruned = _Sol("bounded", 0.1, 5, bound=12.0)
+    assert bench_scaling.solve_record([_Sol("optimal", 0.0), pruned], 12.0)["proven"]
+    assert not bench_scaling.solve_record([_Sol("optimal", 0.0), pruned], 12.5)["proven"]
     rec = bench_scaling.solve_record(
-        [_Sol("optimal", 0.0), _Sol("time_limit", 0.02, 50), _Sol("heuristic", 0.01)]
+        [
+            _Sol("optimal", 0.0),
+            _Sol("time_limit", 0.02, 50),
+            _Sol("heuristic", 0.01),
+            _Sol("bounded", 0.3, bound=20.0),
+        ],
+        15.0,
     )
     assert rec == {
-        "solves": 3,
-        "all_optimal": False,
-        "not_optimal": 2,
+        "solves": 4,
+        "optimal": 1,
+        "proven_slower": 1,
+        "not_proven": 2,
+        "proven": False,
         "time_limit_hit": 1,
         "worst_gap": 0.02,
         "max_segments": 50,
@@ -156,7 +169,7 @@ def test_scaling_grid_and_proof_record() -> None:
     }
     line = bench_scaling.format_table([row]).splitlines()[-1]
     assert line.startswith("| 32 | 8 | cbc | 1.0 | 0.5 | 0.4 | 0.2 | 43 (12 / 30 / 1) |")
-    assert "2/3 not proven (gap ≤ 2.00%, 1 hit the limit)" in line
+    assert "2/4 not proven (gap ≤ 2.00%, 1 hit the limit)" in line
 
 
 def test_timed_records_calls_that_raise() -> None:
