@@ -139,14 +139,18 @@ class StageMemoryModel:
         )
 
     def floor(self, s: int, i: int, j: int) -> float:
-        """Bytes stage s holds at its peak whatever else: the weights (and their bf16 copy),
-        all the gradients, the optimizer state, buffers and DDP's buckets of blocks [i, j)
-        (the optimizer step's moment holds all of them). Non-decreasing in j."""
+        """Bytes stage s holds at its peak whatever else, non-decreasing in j: the weights
+        (and their bf16 copy), optimizer state, buffers and DDP's buckets of blocks
+        [i, j), and the larger of all their gradients (the optimizer step) and what the
+        first backward holds at its worst block k (the gradients of the blocks after k,
+        the activations of the blocks up to k: recomputed or not, one micro-batch's)."""
         b = self.b
-        n_params = b.parameters(s, i, j)
-        per = b.weights_b + b.cast_b + b.grads_b + b.optim_b + (b.grads_b if b.layout.dp > 1 else 0)
         tab = b.table(s)
-        return n_params * per + tab.buffers[j] - tab.buffers[i]
+        n_params = b.parameters(s, i, j)
+        per = b.weights_b + b.cast_b + b.optim_b + (b.grads_b if b.layout.dp > 1 else 0)
+        first = tab.grads[j] - tab.act[i] + tab.backward_curve(i, j)[0]
+        held = max(n_params * b.grads_b, first)
+        return n_params * per + tab.buffers[j] - tab.buffers[i] + held
 
     def _optimizer_temp(self, s: int, i: int, j: int) -> float:
         """Temporaries of the optimizer step (bytes): [Note: optimizer temporaries]."""

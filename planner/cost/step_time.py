@@ -215,13 +215,16 @@ class SegmentBound:
     the least sums range only over the placements that could still reach it:
     a stage holding [i, j) takes at least ``m·(f + b)`` of the step, so a
     placement at or below the limit has no segment above it, and the dynamic
-    programs skip those segments. ``floor(s, i, j)`` gives (fwd, bwd, ...)
-    without recompute: non-decreasing in j, so each stage's
+    programs skip those segments. ``floor(s, i, j)`` gives the figures
+    without recompute (cheap: no memory asked): non-decreasing in j, so each stage's
     runs are tried only up to the first that exceeds the limit, and a chain of
     n blocks on S stages costs S·n·(blocks per stage) instead of S·n². The
     bounds then hold for every placement whose step is at most the limit (a
     segment none of them holds gets infinity): all that pruning against it
-    needs. A larger limit than the tables were made for rebuilds them. ``fits(s, i,
+    needs. The states are trimmed likewise: stage s starts at block i only where the
+    s stages before it, and the S − s from it, can hold their blocks' work at m·(f + b)
+    each within the limit (one of them holds at least an even share of it). A larger
+    limit than the tables were made for rebuilds them. ``fits(s, i,
     j)``, when given, is False for a run that cannot fit its stage however it is
     placed, nor can any longer one from i (a memory floor): those are no placement's.
     """
@@ -281,12 +284,30 @@ class SegmentBound:
                 return
             yield j
 
+    def _balanced(self, limit: float) -> Callable[[int, int], bool]:
+        """Whether stage s may start at block i in a placement whose step is ≤ ``limit``:
+        the s stages before it hold [0, i), so one of them at least 1/s of its work, and
+        a stage's m forwards and backwards lie on one path; likewise the S − s from i."""
+        if not math.isfinite(limit):
+            return lambda s, i: True
+        n, m, stages = self.pos[-1], self.m, range(self.S)
+
+        def least(i: int, j: int) -> float:  # Σ (f + b) of [i, j) on the fastest stage
+            return min(sum(self.floor(t, i, j)[:2]) for t in stages) if i < j else 0.0
+
+        head = {i: m * least(0, i) for i in self.pos}
+        rest = {i: m * least(i, n) for i in self.pos}
+        return lambda s, i: head[i] <= limit * s and rest[i] <= limit * (self.S - s)
+
     def _build(self, limit: float) -> tuple[list[dict[int, float]], ...]:
         S, inf = self.S, math.inf
+        ok = self._balanced(limit)
         pf: list[dict[int, float]] = [{0: 0.0}] + [{} for _ in range(S)]
         pre: list[dict[int, float]] = [{0: 0.0}] + [{} for _ in range(S)]
         for s in range(S - 1):
             for i in list(pf[s]):
+                if not ok(s, i):
+                    continue
                 for j in self._ends(s, i, limit):
                     f, b, red, tail = self.figures(s, i, j)
                     lf, lb = self.cuts(s, j)
@@ -300,6 +321,8 @@ class SegmentBound:
         suf_red: list[dict[int, float]] = [{} for _ in range(S)] + [{self.pos[-1]: 0.0}]
         for s in range(S - 1, 0, -1):
             for i in self.pos[s:-1]:
+                if not ok(s, i):
+                    continue
                 best = best_red = inf
                 for j in self._ends(s, i, limit):
                     if j not in suf[s + 1]:

@@ -126,6 +126,16 @@ class _Prices:
         self._cuts: dict[tuple[int, int], tuple[float, float]] = {}
         self._memory: dict[tuple[int, int, int], float] = {}
         self._recompute: dict[tuple[int, int, int], bool] = {}
+        self._fits: dict[tuple[int, int, int], bool] = {}
+        lay = cost.layout
+        heaviest: dict[tuple[int, bool], int] = {}  # (time class, n < m) -> its fullest stage
+        for s in range(lay.pp):
+            n, key = lay.in_flight(s), (self.times[s], lay.in_flight(s) < lay.micro_batches)
+            if key not in heaviest or n > lay.in_flight(heaviest[key]):
+                heaviest[key] = s
+        self._heaviest: dict[int, list[int]] = {}
+        for (tc, _), s in sorted(heaviest.items()):
+            self._heaviest.setdefault(tc, []).append(s)
 
     def priced(self, s: int, i: int, j: int, rc: bool) -> tuple[float, float, float, float]:
         """(fwd, bwd, reduce, tail) of stage s holding [i, j), recomputing or not."""
@@ -145,8 +155,25 @@ class _Prices:
         key = (self.classes[s], i, j)
         rc = self._recompute.get(key)
         if rc is None:
-            rc = self._recompute[key] = self.cost.recompute(s, i, j)
+            roomy = self._roomy(self.times[s], i, j)
+            rc = self._recompute[key] = False if roomy else self.cost.recompute(s, i, j)
         return self.priced(s, i, j, rc)
+
+    def _roomy(self, tc: int, i: int, j: int) -> bool:
+        """Whether blocks [i, j) fit every stage of time class ``tc`` without recompute.
+
+        Those stages differ only in the micro-batches n they hold in flight, and a
+        stage's peak grows with n among stages with n < m, and among those with n = m
+        (which lack 1F1B's steady-state moment: [Note: the memory peak]): the stage
+        holding the most of each group stands for it. Two memory peaks, not one per
+        stage (1F1B on 64 stages: 64 in-flight counts)."""
+        key = (tc, i, j)
+        got = self._fits.get(key)
+        if got is None:
+            got = self._fits[key] = not any(
+                self.cost.recompute(r, i, j) for r in self._heaviest[tc]
+            )
+        return got
 
     def floor(self, s: int, i: int, j: int) -> float:
         """m·(f + b) without recompute: stage s's own actions, one after another (a lower
