@@ -293,7 +293,8 @@ class SolverRecord(Record):
             "predicted.step_ms" (the step the plan prints), or
             "predicted.closed_form_ms" in plans of versions 1 and 2.
         method: how it was proven: "milp" (the step MILP), "enumeration"
-            (every placement that could be faster was simulated),
+            (every placement that could be faster was simulated), "bounds" (the
+            candidate stages' lower bounds: no placement's largest is below it),
             "bound+simulation" (the MILP's bound on a step that is not a
             longest path, raised by simulating the placements it could not
             rule out); "" in older plans.

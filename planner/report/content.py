@@ -103,6 +103,7 @@ def _cluster(plan: Plan) -> str:
 _METHODS = {
     "milp": "by the step MILP",
     "enumeration": "every placement that could be faster simulated",
+    "bounds": "its candidate stages' lower bounds reach it",
     "bound+simulation": "the MILP's bound, and every placement it left simulated",
 }
 

@@ -144,7 +144,8 @@ def search(
             tried.append((cfg, candidate(cfg, None, "timeout", first_line(exc))))
             continue
         if sol.step > best_ms and sol.bound >= best_ms:  # proven: cannot beat the best
-            why = f"its MILP's lower bound {sol.bound:.1f} ms ≥ best {best_ms:.1f} ms (proven)"
+            by = {"milp": "its MILP", "bounds": "its segment bounds"}.get(sol.method, sol.method)
+            why = f"lower bound {sol.bound:.1f} ms ≥ best {best_ms:.1f} ms (proven by {by})"
             tried.append((cfg, candidate(cfg, None, "pruned", why)))
             continue
         pred = cost.predict(sol.starts)

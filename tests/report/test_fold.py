@@ -64,7 +64,7 @@ def _plan() -> Plan:
         )
         for k in range(4)
     )
-    reason = "pipeline-inside: its MILP's lower bound 2078.8 ms ≥ best 2039.5 ms (proven)"
+    reason = "pipeline-inside: lower bound 2078.8 ms ≥ best 2039.5 ms (proven by its MILP)"
     return Plan(
         model=ModelInfo(fingerprint="0123456789abcdef", file="model.py", parameters=10**9),
         cluster=from_gpus(8, "h100").to_record(),
