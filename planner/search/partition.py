@@ -81,7 +81,7 @@ def step_problem(
         figures=prices.figures,
         cuts=prices.cuts,
         floor=lambda s, i, j: prices.priced(s, i, j, False),
-        fits=lambda s, i, j: cost.memory_floor(s, i, j) <= cost.capacity[s],
+        fits=lambda s, i, j: prices.memory_floor(s, i, j) <= cost.capacity[s],
     )
     tied = tuple(frozenset(users) for _, _, users in cost.basis.tied if len(set(users)) > 1)
     return StepProblem(
@@ -90,7 +90,7 @@ def step_problem(
         seg_figures=prices.figures,
         cut_figures=prices.cuts,
         seg_memory=prices.memory,
-        seg_memory_floor=cost.memory_floor,
+        seg_memory_floor=prices.memory_floor,
         capacity=cost.capacity,
         nodes=[_node(node) for node in graph.nodes],
         ends=graph.tails,
@@ -127,6 +127,7 @@ class _Prices:
         self._memory: dict[tuple[int, int, int], float] = {}
         self._recompute: dict[tuple[int, int, int], bool] = {}
         self._fits: dict[tuple[int, int, int], bool] = {}
+        self._floors: dict[tuple[int, int, int], float] = {}
         lay = cost.layout
         heaviest: dict[tuple[int, bool], int] = {}  # (time class, n < m) -> its fullest stage
         for s in range(lay.pp):
@@ -180,6 +181,15 @@ class _Prices:
         bound on the step, non-decreasing in j)."""
         f, b, _, _ = self.priced(s, i, j, False)
         return self.cost.layout.micro_batches * (f + b)
+
+    def memory_floor(self, s: int, i: int, j: int) -> float:
+        """:meth:`CostModel.memory_floor`, once per time class: it follows the stage's
+        device types (its block table, its capacity) and not its micro-batches in flight."""
+        key = (self.times[s], i, j)
+        got = self._floors.get(key)
+        if got is None:
+            got = self._floors[key] = self.cost.memory_floor(s, i, j)
+        return got
 
     def cuts(self, s: int, j: int) -> tuple[float, float]:
         got = self._cuts.get((s, j))

@@ -18,6 +18,7 @@ from planner.solve.prune import Segments
 from planner.solve.segments import SegmentCosts
 
 __all__ = [
+    "MILP_MIN_S",
     "MIP_REL_GAP",
     "HighsSolver",
     "Outcome",
@@ -29,6 +30,9 @@ __all__ = [
 ]
 
 MIP_REL_GAP = 1e-7  # "optimal" means proven within this relative gap
+MILP_MIN_S = 1.0
+"""Seconds left at least to build and start a MILP: a solver's limit counts from its start
+(CBC given 0.01 s read and preprocessed a 67 MB step MILP for over 4 minutes)."""
 
 _Var = dict[tuple[int, int, int], pulp.LpVariable]
 

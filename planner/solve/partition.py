@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from planner.solve.feasible import check_feasible, heuristic, tie_break
 from planner.solve.ilp import (
+    MILP_MIN_S,
     MIP_REL_GAP,
     Outcome,
     build_ilp,
@@ -114,10 +115,10 @@ def solve_partition(
         c.objective(incumbent),
     )
     answer = _Answer(c, segs, name, t0)
+    if deadline - time.perf_counter() < MILP_MIN_S:  # no time to build and run it
+        return _out_of_time(answer, incumbent)
     prob, x = build_ilp(c, segs, incumbent)
     remaining = deadline - time.perf_counter()
-    if remaining <= 0:
-        return _out_of_time(answer, incumbent)
     limit = None if math.isinf(remaining) else remaining
     started = time.perf_counter()
     outcome = (run_highs if name == "highs" else run_cbc)(prob, limit, threads)

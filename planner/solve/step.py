@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from planner.solve.ilp import MIP_REL_GAP, Outcome, pick_solver, run_cbc, run_highs
+from planner.solve.ilp import MILP_MIN_S, MIP_REL_GAP, Outcome, pick_solver, run_cbc, run_highs
 from planner.solve.problem import PartitionInfeasible, PartitionTimeout
 from planner.solve.step_ilp import build_step_ilp, chosen, milp_bound
 from planner.solve.step_polish import polish
@@ -317,6 +317,8 @@ class _Run:
         return outcome
 
     def milp(self, layers: Layers) -> StepSolution:
+        if self.deadline - time.perf_counter() < MILP_MIN_S:  # the bounds' floor stands
+            return self.answer("time_limit", self.floor, "bounds", "time limit before the MILP")
         c = self.ceiling
         ceiling = c if c is not None and self.t.p.exact and c < self.U else None
         start = None if self.pruned_at is not None else self.best  # not among the layers
@@ -364,7 +366,7 @@ class _Run:
             and last is not None
             and rounds < limit
             and bound < self.U * (1 - MIP_REL_GAP)
-            and time.perf_counter() < stop
+            and time.perf_counter() < stop - MILP_MIN_S
         ):
             rounds += 1
             S = self.t.S

@@ -236,7 +236,8 @@ def test_every_lower_bound_is_below_the_step_of_every_placement(kind: str) -> No
         cost = CostModel(profiles, cluster, training, lay)
         problem = step_problem(cost)
         assert problem.seg_bound is not None and problem.seg_floor is not None
-        seg_floor = problem.seg_floor
+        assert problem.seg_memory_floor is not None
+        seg_floor, mem_floor = problem.seg_floor, problem.seg_memory_floor
         configs = bounded(
             # a device type the layout leaves unused: any profile (the bound takes the least)
             lambda device, b, profiles=profiles: profiles.get(
@@ -251,6 +252,7 @@ def test_every_lower_bound_is_below_the_step_of_every_placement(kind: str) -> No
         for s in range(lay.pp):  # the floors the solver stops a stage's runs at
             for i in range(n):
                 mem = [cost.memory_floor(s, i, j) for j in range(i + 1, n + 1)]
+                assert mem == [mem_floor(s, i, j) for j in range(i + 1, n + 1)]  # shared
                 work = [seg_floor(s, i, j) for j in range(i + 1, n + 1)]
                 assert mem == sorted(mem) and work == sorted(work)
                 for j in range(i + 1, n + 1):

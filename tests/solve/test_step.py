@@ -135,6 +135,26 @@ def test_few_rounds_leave_the_gap_open_and_say_so(monkeypatch: pytest.MonkeyPatc
     assert "bounded" in statuses
 
 
+def test_no_milp_starts_without_the_time_to_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A solver's own limit counts from its start (CBC read a big model for minutes past
+    -sec 0.01): with less than MILP_MIN_S left, the answer is the bounds' floor."""
+    monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
+    monkeypatch.setattr(step_module, "MILP_MIN_S", 1e9)  # never time enough
+    statuses = set()
+    for seed in range(30):
+        p = _problem(seed)
+        best = _brute(p)
+        if best is None:
+            continue
+        sol = solve_step(p, time_limit_s=60)
+        statuses.add(sol.status)
+        assert sol.method == "bounds" and sol.solver_s == 0.0, sol
+        assert sol.bound <= best * (1 + REL) and sol.step >= best * (1 - REL)
+        if sol.status != "optimal":
+            assert sol.status == "time_limit" and "before the MILP" in sol.detail
+    assert "time_limit" in statuses
+
+
 def test_warm_starts_are_checked_and_memory_is_kept() -> None:
     p = _problem(3, memory=True)
     t = StepTable(p)
