@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import table, write_json
+from planner.plan.text import ERROR_CONVENTION, rel_error
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "accuracy.json"
@@ -88,8 +89,7 @@ def _pct(x: float) -> str:
     return "—" if x != x else f"{x * 100:+.1f}%"
 
 
-def _err(pred: float, meas: float) -> float:
-    return (pred - meas) / meas if meas > 0 else float("nan")
+_err = rel_error  # the planner's one convention: (predicted − measured) / measured
 
 
 # --------------------------------------------------------------------------- measuring
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         "examples": EXAMPLES,
         "quality_models": QUALITY,
         "settings": settings(args.quick, args.memory_only),
-        "note": "error = (predicted − measured) / measured. Step: median over quiet rounds "
+        "note": f"{ERROR_CONVENTION}. Step: median over quiet rounds "
         "(others under 10 % of the cores; all rounds when fewer than 3), barrier to barrier. "
         "Memory: peak live CPU tensor bytes per rank over a step (torch profiler allocator "
         "events), per stage the max over its replicas; parameters the runtime keeps outside "

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import plan_layout, table, write_json
+from planner.plan.text import rel_error
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "runtime.json"
@@ -588,7 +589,7 @@ def predicted(
         full = new_co + opt
 
         def err(x: float, meas: float = meas) -> float:
-            return (x - meas) / meas
+            return rel_error(x, meas)
 
         res[n] = {
             "measured_ms": meas, "predicted_ms": pred, "no_overhead_ms": bare,

@@ -12,18 +12,12 @@ from typing import Any
 from planner.plan.files import atomic_write
 from planner.plan.fold import Col, fold, hidden_note, output_width, wrap
 from planner.plan.schema import Plan
-from planner.plan.text import fmt_ranks
+from planner.plan.text import ERROR_CONVENTION, fmt_error, fmt_ranks
 from planner.plan.timeline import ChromeTrace
 from planner.plan.units import MIB
 from runtime.measure.recorder import Measurement
 
 __all__ = ["comparison_table", "trace_json", "write_trace"]
-
-
-def _err(measured: float, predicted: float) -> str:
-    if not (predicted > 0) or measured != measured:  # nan
-        return "—"
-    return f"{(measured / predicted - 1) * 100:+.0f}%"
 
 
 def _f(x: float, digits: int = 2) -> str:
@@ -33,7 +27,8 @@ def _f(x: float, digits: int = 2) -> str:
 def comparison_table(plan: Plan, result: Measurement, width: int | None = None) -> str:
     """The plan's predictions beside the measured figures, per stage, with the error of each.
 
-    Error = measured / predicted − 1 (+25% : slower or larger than predicted).
+    Error = (predicted − measured) / measured (``ERROR_CONVENTION``; −20%: slower or
+    larger than predicted), said on the table's last lines.
     Times are per micro-batch (fwd, bwd) and per step; memory is the stage's
     peak in MiB over the counted steps, the most of its replicas; the last line
     says how it was measured (``runtime.measure.memory``: CUDA's allocator, or
@@ -68,26 +63,27 @@ def comparison_table(plan: Plan, result: Measurement, width: int | None = None) 
                 fmt_ranks(st.ranks),
                 _f(st.fwd_ms),
                 _f(got["fwd_ms"]),
-                _err(got["fwd_ms"], st.fwd_ms),
+                fmt_error(st.fwd_ms, got["fwd_ms"]),
                 _f(bwd_pred) + ("*" if with_sync else ""),
                 _f(got["bwd_ms"]),
-                _err(got["bwd_ms"], bwd_pred),
+                fmt_error(bwd_pred, got["bwd_ms"]),
                 _f(step_pred, 1),
                 _f(got["step_ms"], 1),
-                _err(got["step_ms"], step_pred),
+                fmt_error(step_pred, got["step_ms"]),
                 _f(mem_pred / MIB, 1),
                 _f(got["peak_bytes"] / MIB, 1),
-                _err(got["peak_bytes"], mem_pred),
+                fmt_error(mem_pred, got["peak_bytes"]),
             ]
         )
     # One header line and no rule: the table is read by programs too, column by column.
     table = fold(_COLS, rows, width, rule=False, wrap_headers=False)
     lines = [*wrap(title, width), *table.lines]
     sps_pred = plan.predicted.samples_per_s
+    sps = result.samples_per_s
     tail = [
         f"step: predicted {_f(step_pred, 1)} ms, measured {_f(result.step_ms, 1)} ms "
-        f"({_err(result.step_ms, step_pred)}); throughput predicted {_f(sps_pred, 0)}, "
-        f"measured {_f(result.samples_per_s, 0)} samples/s ({_err(result.samples_per_s, sps_pred)})"
+        f"({fmt_error(step_pred, result.step_ms)}); throughput predicted {_f(sps_pred, 0)}, "
+        f"measured {_f(sps, 0)} samples/s ({fmt_error(sps_pred, sps)})"
     ]
     if warm:
         tail.append(f"step(s) {_span(warm)}: warm-up, not counted")
@@ -95,6 +91,7 @@ def comparison_table(plan: Plan, result: Measurement, width: int | None = None) 
         tail.append("* backward + DDP gradient all-reduce (1 micro-batch, dp > 1)")
     elif skip:
         tail.append("backward: all but the last micro-batch's (which also all-reduces, dp > 1)")
+    tail.append(f"err: {ERROR_CONVENTION} (−: slower or larger than predicted)")
     methods = sorted({r.memory_method for r in result.records})
     tail.append(f"memory measured as: {'; '.join(methods)}")
     tail.append(hidden_note(table.hidden, width, "the measured trace (--trace)"))

@@ -188,7 +188,12 @@ def test_the_runs_comparison_table_fits_the_width(width: int) -> None:
     head = lines[1].split()  # one header line, read by programs column by column
     assert head[:2] == ["stage", "fwd"] or head[:3] == ["stage", "ranks", "fwd"], head
     assert "bwd" in head and "err" in head
-    assert lines[2].split()[0] == "0" and "+5%" in lines[2]  # fwd 13 ms against 12.345
+    # fwd measured 13 ms against 12.345 predicted, memory 1.1 × the prediction:
+    # (predicted − measured) / measured, negative where the run was slower or larger
+    assert lines[2].split()[0] == "0" and "-5%" in lines[2] and "+5%" not in lines[2]
+    assert "err: error = (predicted − measured) / measured" in " ".join(lines)
+    if width >= 150:
+        assert lines[2].split()[-1] == "-9%", lines[2]
     assert "memory measured as: CUDA allocator peak" in text
     if width >= 150:
         assert "hidden" not in text and "mem" in head and "step" in head
