@@ -1,4 +1,4 @@
-"""Run the benchmarks: python -m bench all|plan|optimality|scaling|runtime|accuracy|soak [--quick].
+"""Run the benchmarks: python -m bench SECTION [--quick] (all, or one of ``SECTIONS``).
 
 ``all`` runs every section in turn; each writes its own bench/results/*.json,
 and this writes bench/results/summary.json (per section: status, wall time,
@@ -50,6 +50,9 @@ SECTIONS: dict[str, Section] = {
     "runtime": Section(("bench.bench_runtime",), 300, "runtime overhead and efficiency"),
     "accuracy": Section(("bench.bench_accuracy",), 420, "predicted against measured"),
     "soak": Section(("bench.soak",), 90, "long runs, restarts"),
+    "published": Section(
+        ("bench.bench_published",), 120, "published peers' figures beside the planner's"
+    ),
 }
 QUICK_TOTAL_S = 30 * 60
 

@@ -266,3 +266,20 @@ def test_budget_warnings_only_in_quick_mode(stubs: dict[str, list[Any]]) -> None
     assert orchestrator.budget_warnings({"plan": 150}, quick=True) == [
         "plan took 150 s, over its --quick budget of 100 s"
     ]
+
+
+def test_the_published_bubble_row_is_the_simulators_1f1b_at_the_papers_p_and_m(
+    tmp_path: Path,
+) -> None:
+    """The zero-bubble paper's 1F1B row (p 8, m 24): without transfers the simulator gives
+    the formula's (p − 1)/(m + p − 1) = 7/31, the paper's ideal 0.2258; transfers add to it."""
+    from bench import bench_published
+
+    bare, linked = bench_published.zero_bubble_row(0.0), bench_published.zero_bubble_row(0.1)
+    assert bare["simulated_bubble"] == pytest.approx(7 / 31, rel=1e-9)
+    assert bare["paper_ideal"] == pytest.approx(7 / 31, abs=5e-5)
+    assert linked["simulated_bubble"] > bare["simulated_bubble"]
+    assert bench_published.main(["--quick", "--out", str(tmp_path / "p.json")]) == 0
+    record = json.loads((tmp_path / "p.json").read_text())
+    assert record["zero_bubble"]["rows"][0]["simulated_bubble"] == bare["simulated_bubble"]
+    assert record["torchtitan"]["rows"] == []  # --quick: the simulator only
