@@ -18,10 +18,14 @@ from typing import Any
 
 from planner.plan.codec import Record
 
-__all__ = ["DTYPE_BYTES", "BlockCost", "ModelProfile", "TiedSet"]
+__all__ = ["DTYPE_BYTES", "MIN_QUIET_ROUNDS", "BlockCost", "ModelProfile", "SplitCheck", "TiedSet"]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 """Bytes per element of the dtype names a profile uses (``ModelProfile.dtype``)."""
+
+MIN_QUIET_ROUNDS = 3
+"""Fewer quiet timed rounds than this (or than all rounds), and the profile's times are
+medians of the least loaded half, and the split check is not judged."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +99,44 @@ class TiedSet(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SplitCheck(Record):
+    """Σ blocks against the whole unsplit model, timed alike ([Note: the split check]).
+
+    Attributes:
+        blocks_ms: Σ over blocks of forward + backward as timed, plus the loss,
+            in the least disturbed kept round (the interpreter charge the profile
+            adds to forward times is no part of it).
+        whole_ms: the whole model's forward + backward plus the same loss, in
+            its least disturbed kept round.
+        rounds: timed rounds run.
+        kept: rounds kept (the quiet ones, else the least loaded half).
+        quiet: rounds in which other processes kept under 10 % of the cores busy.
+        load_share: median share of the cores other processes kept busy.
+        charge_ms: what a block timed alone pays and a stage does not, taken off
+            every block's forward + backward ([Note: split charge]); 0 when the
+            blocks were not slower or the check was not judged.
+    """
+
+    blocks_ms: float
+    whole_ms: float
+    rounds: int
+    kept: int
+    quiet: int
+    load_share: float = 0.0
+    charge_ms: float = 0.0
+
+    @property
+    def judged(self) -> bool:
+        """Enough rounds were quiet for the two totals to say what the work costs."""
+        return self.quiet >= min(MIN_QUIET_ROUNDS, self.rounds)
+
+    @property
+    def error(self) -> float:
+        """(Σ blocks − whole) / whole."""
+        return (self.blocks_ms - self.whole_ms) / self.whole_ms if self.whole_ms else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelProfile(Record):
     """Every block's cost at one micro-batch size on one device.
 
@@ -112,8 +154,10 @@ class ModelProfile(Record):
         input_bytes: bytes of one micro-batch of model inputs.
         loss_fwd_ms / loss_bwd_ms: the loss function's cost on the last stage.
         whole_fwd_ms / whole_bwd_ms: a measured forward and backward of the whole
-            model, unsplit (None for analytic profiles): the check that splitting
-            did not distort the cost.
+            captured graph, unsplit (None for analytic profiles): the check that
+            splitting did not distort the cost.
+        split_check: the same check taken round by round (None for analytic
+            profiles and older ones).
         repeats: timed repeats per figure (median taken).
     """
 
@@ -131,6 +175,7 @@ class ModelProfile(Record):
     loss_bwd_ms: float = 0.0
     whole_fwd_ms: float | None = None
     whole_bwd_ms: float | None = None
+    split_check: SplitCheck | None = None
     repeats: int = 0
     notes: tuple[str, ...] = field(default=())
 

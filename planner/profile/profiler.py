@@ -36,7 +36,7 @@ from planner.devices.local import get_device, local_cpu
 from planner.options import ProfileOptions
 from planner.plan.batch import batch_size_of
 from planner.plan.fingerprint import fingerprint
-from planner.plan.records import DTYPE_BYTES, BlockCost, ModelProfile, TiedSet
+from planner.plan.records import DTYPE_BYTES, BlockCost, ModelProfile, SplitCheck, TiedSet
 from planner.plan.text import first_line
 from planner.profile.analytic import OpCost
 from planner.profile.loss_check import checked_loss
@@ -51,7 +51,7 @@ __all__ = ["profile_chain", "profile_model"]
 
 log = logging.getLogger(__name__)
 
-_SEMANTICS = "structural fingerprint, saved-bytes-by-producer, interpreted forward"
+_SEMANTICS = "structural fingerprint, saved-bytes-by-producer, interpreted forward, split check"
 """Part of the cache key: bump it when a figure's meaning changes (old entries then miss)."""
 
 
@@ -200,6 +200,7 @@ class _Times:
     repeats: int = 0
     load_note: str | None = None
     interpreted_ms: float | None = None
+    check: SplitCheck | None = None
 
 
 def profile_chain(
@@ -252,6 +253,7 @@ def profile_chain(
         loss_bwd_ms=times.loss_ms[1],
         whole_fwd_ms=times.whole_ms[0],
         whole_bwd_ms=times.whole_ms[1],
+        split_check=times.check,
         repeats=times.repeats,
         notes=_notes(chain, cap, times),
     )
@@ -288,6 +290,7 @@ def _times(
         whole_ms=got.whole_ms,
         repeats=got.repeats,
         load_note=got.load_note,
+        check=got.check,
     )
     if device.kind == "cpu":
         extra = interpreter_ms(cap, values, chain)

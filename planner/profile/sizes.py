@@ -98,6 +98,13 @@ def at_batch_size(profiles: Sequence[ModelProfile], batch_size: int) -> ModelPro
         whole_f = time(lo.whole_fwd_ms, hi.whole_fwd_ms)
     if lo.whole_bwd_ms is not None and hi.whole_bwd_ms is not None:
         whole_b = time(lo.whole_bwd_ms, hi.whole_bwd_ms)
+    check = None
+    if lo.split_check and hi.split_check and near.split_check:
+        check = replace(
+            near.split_check,
+            blocks_ms=time(lo.split_check.blocks_ms, hi.split_check.blocks_ms),
+            whole_ms=time(lo.split_check.whole_ms, hi.split_check.whole_ms),
+        )
     return replace(
         near,
         batch_size=batch_size,
@@ -107,6 +114,7 @@ def at_batch_size(profiles: Sequence[ModelProfile], batch_size: int) -> ModelPro
         loss_bwd_ms=time(lo.loss_bwd_ms, hi.loss_bwd_ms),
         whole_fwd_ms=whole_f,
         whole_bwd_ms=whole_b,
+        split_check=check,
         notes=(
             *near.notes,
             f"interpolated to micro-batch {batch_size} from "

@@ -15,7 +15,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from planner.capture.blocks import BlockChain
 from planner.capture.trace import Captured
 from planner.options import ProfileOptions
 from planner.plan.progress import Progress
+from planner.profile.rounds import QUIET_SHARE, Measured, RoundTimes, kept_rounds, summarise
 from planner.profile.runner import BlockRunner, loss_inputs
 
 __all__ = [
@@ -45,22 +45,8 @@ MIN_MEASURE_S = 1.0
 """Timed rounds continue until they add up to this many seconds (see adaptive repeats)."""
 MAX_REPEATS = 50
 """...or until this many timed rounds."""
-QUIET_SHARE = 0.10
-"""A timed round is quiet when other processes kept under this share of the cores busy."""
 MAX_MEASURE_S = 15.0
 """On a busy machine, rounds go on for at most this long waiting for quiet ones."""
-
-
-@dataclass(frozen=True)
-class Measured:
-    """The medians of the kept rounds (ms), how many were kept, and a note on the load."""
-
-    fwd_ms: list[float]
-    bwd_ms: list[float]
-    loss_ms: tuple[float, float]
-    whole_ms: tuple[float, float]
-    repeats: int
-    load_note: str | None
 
 
 def measure_blocks(
@@ -109,19 +95,7 @@ def measure_blocks(
     if progress is not None:
         total = most * (len(runners) + 1)
         progress(rounds.phase, total, total, f"{r} rounds, {len(use)} kept")
-
-    def med(xs: list[float]) -> float:
-        return statistics.median(xs[i] for i in use)
-
-    hf, hb = _harness_overhead()
-    return Measured(
-        fwd_ms=[_net(med(x), hf) for x in rounds.fwd],
-        bwd_ms=[_net(med(x), hb) for x in rounds.bwd],
-        loss_ms=(med(rounds.loss_f), med(rounds.loss_b)) if rounds.loss_f else (0.0, 0.0),
-        whole_ms=(med(rounds.whole_f), med(rounds.whole_b)),
-        repeats=len(use),
-        load_note=load.note(),
-    )
+    return summarise(rounds.times, load.shares, _harness_overhead())
 
 
 class _Rounds:
@@ -139,12 +113,7 @@ class _Rounds:
         self.model, self.cap, self.runners = model, cap, runners
         self.targets, self.loss_fn, self.progress = targets, loss_fn, progress
         n = len(runners)
-        self.fwd: list[list[float]] = [[] for _ in range(n)]
-        self.bwd: list[list[float]] = [[] for _ in range(n)]
-        self.loss_f: list[float] = []
-        self.loss_b: list[float] = []
-        self.whole_f: list[float] = []
-        self.whole_b: list[float] = []
+        self.times = RoundTimes.empty(n)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.whole_grads: list[torch.Tensor] | None = None
         self.phase = f"timing {n} blocks"
@@ -160,8 +129,8 @@ class _Rounds:
             t2 = time.perf_counter()
             del outs
             if keep:
-                self.fwd[k].append((t1 - t0) * 1e3)
-                self.bwd[k].append((t2 - t1) * 1e3)
+                self.times.fwd[k].append((t1 - t0) * 1e3)
+                self.times.bwd[k].append((t2 - t1) * 1e3)
             self._tick(r * (n + 1) + k + 1, most * (n + 1), r)
         self._whole(keep)
         self._tick((r + 1) * (n + 1), most * (n + 1), r)
@@ -172,9 +141,14 @@ class _Rounds:
             self.progress(self.phase, min(done, total - 1), total, f"round {r + 1}")
 
     def _whole(self, keep: bool) -> None:
-        """The whole model, unsplit, and the loss on its output."""
+        """The whole captured graph, unsplit, and the loss on its output.
+
+        The graph the blocks were cut from, not the eager model: the check is
+        of splitting alone (on the zoo's transformers the exported graph runs
+        3-11 % slower than their eager code; a one-stage plan runs the latter).
+        """
         t0 = time.perf_counter()
-        out = self.model(*self.cap.sample_args, **self.cap.sample_kwargs)
+        out = self.cap.gm(*self.cap.sample_args, **self.cap.sample_kwargs)
         t1 = time.perf_counter()
         flat_out = [
             o
@@ -190,13 +164,13 @@ class _Rounds:
             torch.autograd.grad(flat_out, self.params, self.whole_grads, allow_unused=True)
         t2 = time.perf_counter()
         if keep:
-            self.whole_f.append((t1 - t0) * 1e3)
-            self.whole_b.append((t2 - t1) * 1e3)
+            self.times.whole_f.append((t1 - t0) * 1e3)
+            self.times.whole_b.append((t2 - t1) * 1e3)
         if self.loss_fn is not None:
             lf, lb = _time_loss(out, self.targets, self.loss_fn)
             if keep:
-                self.loss_f.append(lf)
-                self.loss_b.append(lb)
+                self.times.loss_f.append(lf)
+                self.times.loss_b.append(lb)
 
 
 def _busy_s() -> float | None:
@@ -248,27 +222,9 @@ class RoundLoad:
         return sum(x < QUIET_SHARE for x in self.shares)
 
     def selection(self) -> list[int]:
-        """Indices of the rounds to keep: the quiet ones, else the least loaded half."""
+        """Indices of the rounds to keep (every window closed first)."""
         self._close_window()
-        quiet = [i for i, x in enumerate(self.shares) if x < QUIET_SHARE]
-        if len(quiet) >= min(3, len(self.shares)):
-            return quiet
-        order = sorted(range(len(self.shares)), key=lambda i: self.shares[i])
-        return sorted(order[: max(1, len(order) // 2)])
-
-    def note(self) -> str | None:
-        if self.quiet() == len(self.shares):
-            return None
-        kept = len(self.selection())
-        return (
-            f"{self.quiet()} of {len(self.shares)} timed rounds were quiet (other processes "
-            f"under {QUIET_SHARE:.0%} of the cores); the times are medians of {kept}"
-        )
-
-
-def _net(measured: float, overhead: float) -> float:
-    """A block's time less the timing harness's own cost (never below 10 % of the reading)."""
-    return max(measured - overhead, 0.1 * measured)
+        return kept_rounds(self.shares)
 
 
 def _harness_overhead(rounds: int = 60) -> tuple[float, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from planner.plan.fold import Col
-from planner.plan.records import ModelProfile
+from planner.plan.records import ModelProfile, SplitCheck
 from planner.report.content import Row
 from planner.report.terminal import print_table
 
@@ -18,9 +18,17 @@ _MB = 1e6
 
 
 def check_line(prof: ModelProfile) -> str:
-    """One line comparing Σ blocks (+ loss) with the whole unsplit model."""
-    whole = prof.whole_step_ms
+    """One line comparing Σ blocks (+ loss) with the whole unsplit model.
+
+    A profile timed round by round carries a :class:`SplitCheck` ([Note: the
+    split check]): it is judged only when enough rounds were quiet, since on a
+    busy machine neither total says what the model costs.
+    """
     total = prof.blocks_step_ms
+    whole = prof.whole_step_ms
+    check = prof.split_check
+    if check is not None:
+        return _judged(check)
     if whole is None:
         return (
             f"check: Σ blocks fwd+bwd + loss = {total:.2f} ms "
@@ -28,11 +36,37 @@ def check_line(prof: ModelProfile) -> str:
         )
     whole_with_loss = whole + prof.loss_fwd_ms + prof.loss_bwd_ms
     err = (total - whole_with_loss) / whole_with_loss if whole_with_loss else 0.0
-    verdict = "within" if abs(err) <= CHECK_TOLERANCE else "OUTSIDE"
     return (
         f"check: Σ blocks fwd+bwd + loss = {total:.2f} ms vs whole model "
-        f"{whole_with_loss:.2f} ms: {err:+.1%} ({verdict} ±{CHECK_TOLERANCE:.0%})"
+        f"{whole_with_loss:.2f} ms: {err:+.1%} ({_verdict(err)} ±{CHECK_TOLERANCE:.0%})"
     )
+
+
+def _judged(check: SplitCheck) -> str:
+    figures = (
+        f"Σ blocks fwd+bwd + loss = {check.blocks_ms:.2f} ms vs whole model "
+        f"{check.whole_ms:.2f} ms: {check.error:+.1%}"
+    )
+    if not check.judged:
+        return (
+            f"check: not judged: machine busy ({check.quiet} of {check.rounds} timed rounds "
+            f"quiet, others kept {check.load_share:.0%} of the cores busy); {figures}, "
+            f"least loaded of {check.kept} rounds each"
+        )
+    charge = ""
+    if check.charge_ms > 0:
+        charge = (
+            f"; {check.charge_ms * 1e3:.0f} µs a block that a stage does not pay "
+            "taken off every block"
+        )
+    return (
+        f"check: {figures} ({_verdict(check.error)} ±{CHECK_TOLERANCE:.0%}; blocks as timed, "
+        f"fastest of {check.kept} quiet rounds each{charge})"
+    )
+
+
+def _verdict(err: float) -> str:
+    return "within" if abs(err) <= CHECK_TOLERANCE else "OUTSIDE"
 
 
 # Which columns a narrow terminal hides first (higher: earlier; 0: the last to go).

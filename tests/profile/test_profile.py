@@ -170,7 +170,6 @@ def test_loaded_rounds_are_left_out() -> None:
     load = RoundLoad()
     load.shares = [0.5, 0.0, 0.02, 0.0, 0.6]  # others' share of the cores, per round
     assert load.selection() == [1, 2, 3]
-    assert "3 of 5 timed rounds were quiet" in (load.note() or "")
     busy = RoundLoad()
     busy.shares = [0.5, 0.3, 0.9, 0.4]  # none quiet: the least loaded half
     assert busy.selection() == [1, 3]
