@@ -196,7 +196,7 @@ def search_point(n_blocks: int, devices: int, solver: str, limit_s: float) -> di
     if res is not None:
         status: dict[str, int] = {}
         for c in res.candidates:
-            key = "solved" if c.status in ("chosen", "slower") else c.status
+            key = "solved" if c.status in ("chosen", "slower", "faster") else c.status
             status[key] = status.get(key, 0) + 1
         out["candidates"] = status
         lay = res.layout

@@ -94,6 +94,18 @@ class SearchOptions:
         "not proven optimal, with its gap",
         flag="--time-limit",
     )
+    # [Note: robust band] in planner.search.robust. No percent sign in the help: argparse
+    # formats help text with %.
+    robust_band_pct: float = option(
+        8.0,
+        help="the cost model's error band, in percent of the fastest predicted step: among "
+        "the configurations predicted within it, the sturdiest is chosen (fewer stages, then "
+        "less bubble and communication, then more free memory, then faster), not the "
+        "fastest; 8: the accuracy benchmark's median |step error| of 8.0 percent (README, "
+        "cost-model accuracy); 0: always the fastest",
+        flag="--robust-band",
+        metavar="PCT",
+    )
     max_micro_batches: int = option(64, help="the largest micro-batch count considered", cli=False)
     keep: int = option(12, help="how many candidates the plan records", cli=False)
     every_device: bool = option(
@@ -117,6 +129,13 @@ class SearchOptions:
         if self.solver not in SOLVERS:
             raise option_error(
                 SearchOptions, "solver", f"is {self.solver!r}; choose one of {', '.join(SOLVERS)}"
+            )
+        if not 0 <= self.robust_band_pct < 100:
+            raise option_error(
+                SearchOptions,
+                "robust_band_pct",
+                f"must be a percentage in [0, 100), got {self.robust_band_pct} (8: the cost "
+                "model's measured median error; 0: always the fastest)",
             )
         if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise option_error(

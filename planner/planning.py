@@ -265,6 +265,7 @@ def _assemble(
             n_segments=sol.n_segments,
             note=sol.detail,
         ),
+        choice=result.choice,
         candidates=tuple(result.candidates),
         profiles=tuple(profiles.all_anchors(result.cost.cluster.devices[0].threads)),
         warnings=tuple(warnings),

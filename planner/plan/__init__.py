@@ -1,7 +1,8 @@
 """The contract between the planner and the runtime: the plan, and what both sides share.
 
 The runtime imports this package and nothing else of the planner. Its parts:
-``schema`` (the plan), ``sections`` (its typed sections), ``codec`` (typed records to plain data
+``schema`` (the plan), ``sections`` (its typed sections), ``choice`` (why its
+configuration), ``codec`` (typed records to plain data
 and back), ``formats`` (versions), ``files`` (plan files, the atomic write),
 ``records`` (the profile a plan carries), ``schedule`` (the schedules as data),
 ``timeline`` (events and trace JSON), ``fingerprint`` (the model's identity),
@@ -14,6 +15,7 @@ Importing the package itself loads no torch: the names below are pure.
 
 from __future__ import annotations
 
+from planner.plan.choice import ChoiceRecord, FastestRecord
 from planner.plan.files import atomic_write, load_plan, plan_text, save_plan
 from planner.plan.formats import PLAN_VERSION, SUPPORTED_VERSIONS
 from planner.plan.schema import Plan, PlanError, plan_summary
@@ -37,8 +39,10 @@ __all__ = [
     "PLAN_VERSION",
     "SUPPORTED_VERSIONS",
     "Candidate",
+    "ChoiceRecord",
     "ClusterRecord",
     "DeviceGroup",
+    "FastestRecord",
     "LayoutPlan",
     "LinkRecord",
     "ModelInfo",

@@ -30,7 +30,10 @@ computes any more: their fingerprint reads as None, and the runtime checks
 such plans by their parameter names and shapes. 1 also recorded
 ``solver.solve_s``. All three are read (:mod:`planner.plan.files`). A cluster
 node may carry ``repeat`` (that many equal nodes in a row, one record for
-them); files that list every node read the same.
+them); files that list every node read the same. The ``choice`` section (the
+robust band, and the fastest configuration when a sturdier one was chosen:
+:mod:`planner.plan.choice`) is optional too: a file without it reads as a plan
+of the fastest configuration its search found.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from planner.plan.choice import ChoiceRecord
 from planner.plan.codec import decode, encode
 from planner.plan.formats import PLAN_VERSION, upgrade
 from planner.plan.records import ModelProfile
@@ -82,6 +86,7 @@ class Plan:
     predicted: Predicted
     step: StepInputs | None = None
     solver: SolverRecord
+    choice: ChoiceRecord | None = None
     candidates: tuple[Candidate, ...] = ()
     warnings: tuple[str, ...] = ()
     profiles: tuple[ModelProfile, ...] = ()
@@ -223,6 +228,7 @@ def check_consistent(plan: Plan, path: str) -> None:
     if plan.step is not None:
         _check_step(plan.step, plan, err)
     _check_solver(plan, err)
+    _check_choice(plan, err)
 
 
 def _check_stage_modules(plan: Plan, k: int, err: Callable[[str], PlanError]) -> None:
@@ -290,6 +296,16 @@ def _check_solver(plan: Plan, err: Callable[[str], PlanError]) -> None:
                 f"solver.bound_ms {sv.bound_ms!r} exceeds predicted.step_ms {step!r}: a lower "
                 "bound on the step cannot be above it"
             )
+
+
+def _check_choice(plan: Plan, err: Callable[[str], PlanError]) -> None:
+    fastest = plan.choice.fastest if plan.choice is not None else None
+    step = plan.predicted.step_ms
+    if fastest is not None and fastest.step_ms > step * (1 + 1e-5):  # figures: 6 digits
+        raise err(
+            f"choice.fastest.step_ms {fastest.step_ms!r} exceeds predicted.step_ms {step!r}: "
+            "the fastest configuration cannot be slower than the plan's"
+        )
 
 
 def _check_step(step: StepInputs, plan: Plan, err: Callable[[str], PlanError]) -> None:

@@ -263,9 +263,11 @@ class Predicted(Record):
 class Candidate(Record):
     """A configuration the search considered.
 
-    ``status``: "chosen", "slower" (solved, lost on time), "out_of_memory"
-    (no placement fits), "pruned" (a lower bound already lost), "timeout".
-    ``reason`` says why in words.
+    ``status``: "chosen", "slower" (solved, lost on time), "faster" (solved and
+    predicted faster, but within the robust band of the fastest and less sturdy
+    than the chosen one: :class:`~planner.plan.choice.ChoiceRecord`),
+    "out_of_memory" (no placement fits), "pruned" (a lower bound already lost),
+    "timeout". ``reason`` says why in words.
     """
 
     pp: int

@@ -180,7 +180,27 @@ def summary(plan: Plan, tl: Timeline) -> list[tuple[str, str]]:
             ("replayed", f"{fmt_ms(tl.step_ms)} ms from the plan's simulation inputs (edited?)")
         )
     rows.append(("solver", _solver(plan)))
+    if plan.choice is not None:
+        rows.append(("choice", _choice(plan)))
     return rows
+
+
+def _choice(plan: Plan) -> str:
+    """Why this configuration: the plan's reason, or (an edited plan) one from its figures.
+    A configuration kept over a faster one is never called optimal ([Note: robust band])."""
+    ch = plan.choice
+    assert ch is not None
+    if ch.reason:
+        return ch.reason
+    f = ch.fastest
+    if f is None:
+        return f"the fastest predicted step (robust band ±{ch.band_pct:g} %)"
+    more = (plan.predicted.step_ms - f.step_ms) / f.step_ms
+    return (
+        f"chosen over pp {f.pp} × dp {f.dp}, m {f.micro_batches}, {f.schedule} "
+        f"({fmt_ms(f.step_ms)} ms, solver status {f.status} for that configuration): "
+        f"{100 * more:+.1f} % predicted, within the ±{ch.band_pct:g} % band"
+    )
 
 
 # Column names; ">" marks a right-aligned (numeric) column.
@@ -191,7 +211,9 @@ MEM_COL = STAGE_COLS.index("total / capacity>")
 CAND_COLS = ["pp>", "dp>", "m>", "schedule", "step ms>", "status", "reason"]
 CAND_NOTE = (
     "ranked: the solved configurations by predicted step, fastest first, then those that did "
-    "not fit or were pruned by a lower bound. A reason begins with the ranks' layout: "
+    "not fit or were pruned by a lower bound. step: predicted, and (where the plan records a "
+    "robust band) the interval step × (1 ± band) that the cost model's measured error allows. "
+    "A reason begins with the ranks' layout: "
     "pipeline-inside (each replica's stages on consecutive ranks: stages talk over the "
     "fastest links) or replicas-inside (each stage's replicas on consecutive ranks: its "
     "all-reduce does)"
@@ -200,7 +222,9 @@ SUMMARY_NOTES = (
     "step: the simulated step of the schedule (every action, transfer, all-reduce and "
     "optimizer step in order); closed form: the flow-shop formula Σ work + (m − 1) × the "
     "slowest stage + the all-reduce, which ignores overlap, shown where it differs; solver: "
-    "what is proven about the step, over every contiguous placement of this configuration"
+    "what is proven about the step, over every contiguous placement of this configuration; "
+    "choice: why this configuration, when the search kept the sturdiest within the cost "
+    "model's error band of the fastest"
 )
 
 
@@ -231,10 +255,15 @@ def stage_rows(plan: Plan) -> tuple[list[Row], str]:
 
 
 def candidate_rows(plan: Plan) -> list[Row]:
-    """The candidate table's rows, the chosen one marked."""
+    """The candidate table's rows, the chosen one marked; each step with its interval
+    step × (1 ± band) where the plan records a robust band."""
+    band = plan.choice.band_pct if plan.choice is not None else 0.0
     rows = []
     for c in plan.candidates:
         step = "—" if c.step_ms is None else fmt_ms(c.step_ms)
+        if c.step_ms is not None and band > 0 and plan.choice is not None:
+            lo, hi = plan.choice.interval(c.step_ms)
+            step += f" ({fmt_ms(lo)}–{fmt_ms(hi)})"
         cells = [str(c.pp), str(c.dp), str(c.micro_batches), c.schedule, step, c.status, c.reason]
         rows.append((cells, "chosen" if c.status == "chosen" else ""))
     return rows

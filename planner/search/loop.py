@@ -1,4 +1,5 @@
-"""The search: every configuration, bounded, solved, simulated, ranked; the fastest wins.
+"""The search: every configuration, bounded, solved, simulated, ranked; the sturdiest near the
+fastest wins.
 
 For every configuration (pp, dp, m, schedule) and each way of laying it on
 the cluster's ranks (:mod:`planner.search.configurations`):
@@ -13,8 +14,9 @@ the cluster's ranks (:mod:`planner.search.configurations`):
    (or bounds it: [Note: shared cores]).
 
 Configurations are visited in order of their bound, so the best is usually
-found early and most others are pruned. The ranked candidates are kept with
-why each lost. Any of pp, dp, m and the schedule can be pinned.
+found early and most others are pruned (against the best step plus the robust
+band: [Note: robust band] in :mod:`planner.search.robust`). The ranked
+candidates are kept with why each lost. Any of pp, dp, m, schedule can be pinned.
 
 Activation recompute is chosen per stage inside the cost model: a stage
 recomputes only when it would not fit otherwise.
@@ -35,6 +37,7 @@ from planner.cost.basis import Layout
 from planner.cost.model import CostModel, Prediction
 from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
+from planner.plan.choice import ChoiceRecord
 from planner.plan.sections import Candidate
 from planner.plan.text import first_line
 from planner.search import baselines
@@ -49,6 +52,14 @@ from planner.search.configurations import (
 from planner.search.messages import fewer_processes, nothing_fits, plan_warnings
 from planner.search.partition import partition_problem, step_problem
 from planner.search.ranking import candidate, ranked
+from planner.search.robust import (
+    Sturdiness,
+    choose,
+    pruned_against,
+    record,
+    row_reason,
+    sturdiness,
+)
 from planner.solve.partition import solve_partition
 from planner.solve.problem import PartitionInfeasible, PartitionTimeout
 from planner.solve.step import solve_step
@@ -72,6 +83,8 @@ class SearchResult:
         prediction: the placement's predicted step (``solution.step``).
         candidates: what the plan records of the search (ranked).
         warnings: the chosen plan's performance hazards.
+        choice: the robust band, and the fastest configuration when a sturdier
+            one was chosen ([Note: robust band]).
     """
 
     layout: Layout
@@ -80,6 +93,7 @@ class SearchResult:
     cost: CostModel
     candidates: list[Candidate] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    choice: ChoiceRecord | None = None
 
     @property
     def starts(self) -> tuple[int, ...]:
@@ -98,7 +112,8 @@ def search(
     threads_for: ThreadsFor | None = None,
     progress: Progress | None = None,
 ) -> SearchResult:
-    """Find the configuration and placement with the shortest predicted step.
+    """Find the configurations and placements with the shortest predicted steps, and keep the
+    sturdiest within ``options.robust_band_pct`` of the fastest ([Note: robust band]).
 
     ``progress``: called as ``progress("searching N configurations", done, N, note)``
     before each configuration and once at the end (``done == N``), the note naming the
@@ -118,6 +133,7 @@ def search(
     tried: list[tuple[Config, Candidate]] = []
     solved: list[SearchResult] = []
     best_ms = math.inf
+    grow = 1 + options.robust_band_pct / 100
     oom_costs: list[CostModel] = []  # for the message when nothing fits
     laid = bounded(profile_for, cluster, training, configs, threads_for)
     laid = _scouted_first(laid, training, allowed_starts)
@@ -125,14 +141,15 @@ def search(
     for k, cfg in enumerate(laid):
         if progress is not None:
             progress(phase, k, len(laid), _best_note(solved))
-        if cfg.bound >= best_ms:
-            why = f"lower bound {cfg.bound:.1f} ms ≥ best {best_ms:.1f} ms"
+        top, against = best_ms * grow, pruned_against(best_ms, options)  # the band: solved
+        if cfg.bound >= top:
+            why = f"lower bound {cfg.bound:.1f} ms ≥ {against}"
             tried.append((cfg, candidate(cfg, None, "pruned", why)))
             continue
         cost = _cost_model(cfg, training)
         layout = cost.layout
         try:
-            ceiling = best_ms if math.isfinite(best_ms) else None
+            ceiling = top if math.isfinite(top) else None
             sol = place(
                 cost, options, allowed_starts, block_names or (), prove=False, ceiling=ceiling
             )
@@ -143,9 +160,9 @@ def search(
         except PartitionTimeout as exc:
             tried.append((cfg, candidate(cfg, None, "timeout", first_line(exc))))
             continue
-        if sol.step > best_ms and sol.bound >= best_ms:  # proven: cannot beat the best
+        if sol.step > top and sol.bound >= top:  # proven: cannot come within the band
             by = {"milp": "its MILP", "bounds": "its segment bounds"}.get(sol.method, sol.method)
-            why = f"lower bound {sol.bound:.1f} ms ≥ best {best_ms:.1f} ms (proven by {by})"
+            why = f"lower bound {sol.bound:.1f} ms ≥ {against} (proven by {by})"
             tried.append((cfg, candidate(cfg, None, "pruned", why)))
             continue
         pred = cost.predict(sol.starts)
@@ -155,17 +172,50 @@ def search(
     if not solved:
         records = [c for _, c in tried]
         raise ValueError(nothing_fits(records, oom_costs, cluster, training, options))
-    best = _proven(min(solved, key=lambda r: r.prediction.step_ms), options, allowed_starts, tried)
-    best_ms = best.prediction.step_ms
+    single = local_cpu(cluster)  # [Note: fewer CPU processes]: say why it beat one process
+    best = _chosen(solved, options, allowed_starts, tried, single)
     if progress is not None:
         progress(phase, len(laid), len(laid), _best_note([best]))
-    single = local_cpu(cluster)  # [Note: fewer CPU processes]: say why it beat one process
-    best.candidates = ranked(
-        [c for _, c in tried], best.layout, best_ms, options.keep, single=single
-    )
     best.warnings = plan_warnings(best.layout, best.solution, best.prediction, options)
     best.warnings += fewer_processes(best.cost.cluster, cluster)
     return best
+
+
+def _chosen(
+    solved: list[SearchResult],
+    options: SearchOptions,
+    allowed: frozenset[int] | None,
+    tried: list[tuple[Config, Candidate]],
+    single: bool,
+) -> SearchResult:
+    """The configuration kept, proven, with the choice and the ranked candidates: the
+    fastest, proven, or the sturdiest within the band of it ([Note: robust band])."""
+    k = min(range(len(solved)), key=lambda i: solved[i].prediction.step_ms)
+    solved[k] = _proven(solved[k], options, allowed, tried)
+    found = [_sturdy(r) for r in solved]
+    verdict = choose(found, options)
+    fastest = solved[verdict.fastest]  # the same step; the tie broken as the choice breaks it
+    best = solved[verdict.chosen]
+    if best is not fastest:
+        best = _proven(best, options, allowed, tried)
+        if best.prediction.step_ms <= fastest.prediction.step_ms:  # its proof found faster
+            fastest = best
+    best.choice = record(verdict, _sturdy(best), _sturdy(fastest), fastest.solution)
+    best.candidates = ranked(
+        [c for _, c in tried],
+        best.layout,
+        best.prediction.step_ms,
+        options.keep,
+        single=single,
+        fastest_ms=fastest.prediction.step_ms,
+        band_pct=options.robust_band_pct,
+        why=None if fastest is best else row_reason(_sturdy(best), _sturdy(fastest), options),
+    )
+    return best
+
+
+def _sturdy(r: SearchResult) -> Sturdiness:
+    return sturdiness(r.layout, r.prediction)
 
 
 def _scouted_first(

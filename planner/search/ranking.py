@@ -35,12 +35,21 @@ def ranked(
     keep: int,
     *,
     single: bool = False,
+    fastest_ms: float | None = None,
+    band_pct: float = 0.0,
+    why: str | None = None,
 ) -> list[Candidate]:
     """The ``keep`` candidates the plan records, the solved ones fastest first.
 
-    The chosen one is marked "chosen", the other solved ones "slower" with how
-    much; room is kept for one that ran out of memory and one that was pruned,
-    so the table shows why they lost; then whatever is left fills up.
+    The chosen one (``best``, at ``best_ms``) is marked "chosen", the other solved
+    ones "slower" or "faster" with how much; room is kept for one that ran out of
+    memory and one that was pruned, so the table shows why they lost; then
+    whatever is left fills up.
+
+    ``fastest_ms``, ``band_pct``, ``why``: when a sturdier configuration was chosen
+    over the fastest ([Note: robust band] in :mod:`planner.search.robust`), the
+    fastest step, the band, and the chosen row's reason; the rows within the band
+    of the fastest say so.
 
     ``single`` (local CPU processes, [Note: fewer CPU processes]): the best
     one-process candidate (pp 1 × dp 1) is kept too, and a chosen plan on more
@@ -50,27 +59,28 @@ def ranked(
         (c for c in tried if c.step_ms is not None), key=lambda c: (c.step_ms, c.pp, c.dp)
     )
     one = _one_process(tried) if single else None
+    config = (best.pp, best.dp, best.micro_batches, best.schedule)
+    ceiling = (best_ms if fastest_ms is None else fastest_ms) * (1 + band_pct / 100)
     out: list[Candidate] = []
     chosen = False
     for c in solved:
         assert c.step_ms is not None
-        same = (c.pp, c.dp, c.micro_batches, c.schedule) == (
-            best.pp,
-            best.dp,
-            best.micro_batches,
-            best.schedule,
-        )
+        same = (c.pp, c.dp, c.micro_batches, c.schedule) == config
         if not chosen and c.step_ms == best_ms and same:
-            why = "fastest predicted step"
+            text = why or "fastest predicted step"
             if one is not None and c is not one and one.step_ms is not None:
-                why += f", {one.step_ms / best_ms:.2f}× one process's {one.step_ms:.1f} ms"
+                text += f", {one.step_ms / best_ms:.2f}× one process's {one.step_ms:.1f} ms"
             elif one is not None and c is not one:
-                why += f", one process {one.status}: {one.reason}"
-            out.append(_with(c, "chosen", f"{c.reason}: {why}"))
+                text += f", one process {one.status}: {one.reason}"
+            out.append(_with(c, "chosen", f"{c.reason}: {text}"))
             chosen = True
-        else:
-            slower = (c.step_ms - best_ms) / best_ms
-            out.append(_with(c, "slower", f"{c.reason}: {c.step_ms:.1f} ms, +{slower:.1%}"))
+            continue
+        d = (c.step_ms - best_ms) / best_ms
+        band = ""
+        if band_pct > 0 and c.step_ms <= ceiling and not same:
+            band = f", within the ±{band_pct:g} % band of the fastest; less sturdy, or slower"
+        status = "faster" if d < 0 else "slower"
+        out.append(_with(c, status, f"{c.reason}: {c.step_ms:.1f} ms, {d:+.1%}{band}"))
     others = [c for c in tried if c.step_ms is None]
     oom = [c for c in others if c.status == "out_of_memory"]
     rest = [c for c in others if c.status != "out_of_memory"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import io
 import itertools
 import json
@@ -30,6 +31,8 @@ from planner.plan import (
 )
 from planner.report import print_plan, timeline, trace_events, write_html, write_trace
 from planner.report.format import fmt_ms
+from planner.search.robust import Sturdiness, Verdict, record
+from planner.solve.step_problem import StepSolution
 
 GIB = 2**30
 CAPACITY = 79.6 * GIB
@@ -198,6 +201,56 @@ def test_print_plan_names_a_time_limited_solve_and_a_closed_form_gap():
     text = _text(replace(plan, solver=solver, predicted=predicted))
     assert "best found in 60 s, gap 3.1 %" in text and "proven" not in text
     assert "closed form" in text
+
+
+def _sturdier(plan: Plan) -> Plan:
+    """``plan`` (pp 2) chosen by the search over a pp 4 configuration 1 % faster."""
+    step = plan.predicted.step_ms
+    mine = Sturdiness(pp=2, dp=2, micro_batches=4, schedule="gpipe", step_ms=step, bubble=0.1)
+    quick = Sturdiness(pp=4, dp=1, micro_batches=8, schedule="1f1b", step_ms=step / 1.01)
+    proof = StepSolution(
+        starts=(0, 1, 2, 3),
+        step=quick.step_ms,
+        bound=quick.step_ms,
+        gap=0.0,
+        status="optimal",
+        method="milp",
+        solver="highs",
+        solve_s=0.0,
+        solver_s=0.0,
+        n_segments=4,
+        evaluated=1,
+        detail="",
+    )
+    choice = record(Verdict(0, 1, 1, 8.0), mine, replace(quick, bubble=0.4), proof)
+    rows = (
+        replace(plan.candidates[1], step_ms=quick.step_ms, status="faster", reason="-1.0%"),
+        replace(plan.candidates[0], step_ms=step, reason="the sturdiest within the ±8 % band"),
+    )
+    return replace(plan, choice=choice, candidates=rows)
+
+
+def test_a_sturdier_choice_says_why_and_never_calls_itself_optimal(tmp_path):
+    plan = _sturdier(_plan())
+    assert plan.choice is not None and plan.choice.fastest is not None
+    reason = plan.choice.reason
+    assert "chosen over pp 4 × dp 1, m 8, 1f1b" in reason and "+1.0 % predicted" in reason
+    assert "within the ±8 % band" in reason and "2 stages instead of 4" in reason
+    for text in (_text(plan), write_html(plan, tmp_path / "p.html").read_text()):
+        flat = " ".join(html.unescape(text).split())
+        assert " ".join(reason.split()) in flat
+        # "optimal" only of the fastest's configuration and of this one's own placement.
+        claims = flat.count("proven optimal for that configuration")
+        claims += flat.count("step proven optimal for this configuration")
+        assert claims == 2 and flat.count("optimal") == 2
+        # Each solved candidate's step with its interval step × (1 ± 8 %).
+        step = plan.predicted.step_ms
+        assert f"{fmt_ms(step)} ({fmt_ms(step * 0.92)}–{fmt_ms(step * 1.08)})" in flat
+    chosen_line = next(line for line in _text(plan).splitlines() if "  chosen  " in line)
+    assert "optimal" not in chosen_line and "fastest predicted" not in chosen_line
+    # Saved and loaded, it reads the same; a plan without a choice shows no interval.
+    assert _text(load_plan(save_plan(plan, tmp_path / "plan.yaml"))) == _text(plan)
+    assert "–" in _text(plan) and "–" not in _text(_plan())
 
 
 def test_write_html_is_one_self_contained_page(tmp_path):
