@@ -50,7 +50,7 @@ from planner.search.configurations import (
     local_cpu,
 )
 from planner.search.messages import fewer_processes, nothing_fits, plan_warnings
-from planner.search.partition import partition_problem, step_problem
+from planner.search.partition import closed_form_pays, partition_problem, step_problem
 from planner.search.ranking import candidate, ranked
 from planner.search.robust import (
     Sturdiness,
@@ -318,7 +318,8 @@ def place(
     ``prove=False``: where stages share cores, search only (the bound's MILP
     is left for the configuration the plan keeps: see ``solve_step``).
     ``starts``: more placements to start from. ``closed_form=False``: not the
-    closed-form ILP's (a placement of ``starts`` already descends from it).
+    closed-form ILP's (a placement of ``starts`` already descends from it; nor
+    above ``CLOSED_FORM_MAX`` blocks × stages).
     ``ceiling``: the best step of the configurations before (``solve_step``).
 
     The closed-form ILP's placement and the usual heuristics' (uniform,
@@ -346,7 +347,7 @@ def place(
         first = next(heuristics, None)  # uniform: the cheapest
         if first is not None:
             yield first
-        if closed_form:
+        if closed_form and closed_form_pays(cost):
             try:
                 yield solve_partition(
                     partition_problem(cost, allowed, names),

@@ -16,10 +16,24 @@ from planner.cost.step_time import SegmentBound
 from planner.solve.problem import PartitionProblem
 from planner.solve.step_problem import GraphNode, Row, StepProblem, Term
 
-__all__ = ["partition_problem", "step_problem"]
+__all__ = ["CLOSED_FORM_MAX", "closed_form_pays", "partition_problem", "step_problem"]
+
+CLOSED_FORM_MAX = 4096
+"""Blocks × stages above which the step solver gets no warm start from the closed-form ILP.
+Its placement never beat the others there: on synthetic LM chains (``python -m
+bench.bench_scaling --point B D --limit 10``), with and without it, the plan's step and
+proof were the same at every point measured (32–512 blocks on 8–512 H100s), and it cost a
+configuration 2–21 s (128 blocks × 512 devices: search 29.5 s with it, 5.6 s without;
+512 × 512: 58.9 s and 26.7 s, under load)."""
 
 _SEG = {name: q for q, name in enumerate(FIGURES[:4])}  # fwd, bwd, reduce, tail
 _CUT = {name: q for q, name in enumerate(FIGURES[4:])}  # link_fwd, link_bwd
+
+
+def closed_form_pays(cost: CostModel) -> bool:
+    """Whether the closed-form ILP's placement is worth solving for as a warm start
+    (``CLOSED_FORM_MAX``)."""
+    return cost.n_blocks * cost.layout.pp <= CLOSED_FORM_MAX
 
 
 def partition_problem(
