@@ -23,6 +23,7 @@ __all__ = [
     "Net",
     "Tower",
     "assert_same_state",
+    "chain_profiles",
     "cpu_cluster",
     "model_state",
     "tower_loss",
@@ -136,3 +137,40 @@ def assert_same_state(a: dict, b: dict) -> None:
         assert torch.equal(g, b["grads"][k]), k
     assert a["training"] == b["training"] and a["requires_grad"] == b["requires_grad"]
     assert torch.equal(a["rng"], b["rng"])
+
+
+def chain_profiles(n_blocks: int = 12, param_bytes: int = 64 * 2**20, heavy_ends: bool = True):
+    """A search's ``profile_for(device, b)`` over a synthetic chain: ``n_blocks`` blocks of
+    ``param_bytes`` parameters, 0.5 ms forward and 1 ms backward per sample, the first and
+    last 4× that when ``heavy_ends``."""
+    from planner.plan.records import BlockCost, ModelProfile
+
+    def profile_for(device: str, b: int) -> ModelProfile:
+        blocks = []
+        for k in range(n_blocks):
+            scale = 4.0 if heavy_ends and k in (0, n_blocks - 1) else 1.0
+            blocks.append(
+                BlockCost(
+                    index=k,
+                    name=f"layer{k}",
+                    modules=(f"layer{k}",),
+                    fwd_ms=0.5 * scale * b,
+                    bwd_ms=1.0 * scale * b,
+                    param_bytes=param_bytes,
+                    activation_bytes=16 * 2**20 * b,
+                    output_bytes=2**20 * b,
+                    boundary_bytes=0 if k == 0 else 2**20 * b,
+                )
+            )
+        return ModelProfile(
+            fingerprint="x",
+            source="analytic",
+            device=device,
+            batch_size=b,
+            dtype="float32",
+            threads=0,
+            capture="export",
+            blocks=tuple(blocks),
+        )
+
+    return profile_for

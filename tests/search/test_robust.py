@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from models import chain_profiles
 
 from planner.devices import from_gpus
 from planner.options import SearchOptions, Training
-from planner.plan.records import BlockCost, ModelProfile
 from planner.search import search
 from planner.search.robust import Sturdiness, choose, explain, record
 from planner.solve.step_problem import StepSolution
@@ -125,41 +125,11 @@ def test_the_band_is_a_percentage(band: float) -> None:
         SearchOptions(robust_band_pct=band)
 
 
-def _profile_for(device: str, b: int) -> ModelProfile:
-    """12 blocks of 1 GiB of parameters each, the first and last 4× the work."""
-    blocks = []
-    for k in range(12):
-        scale = 4.0 if k in (0, 11) else 1.0
-        blocks.append(
-            BlockCost(
-                index=k,
-                name=f"layer{k}",
-                modules=(f"layer{k}",),
-                fwd_ms=0.5 * scale * b,
-                bwd_ms=1.0 * scale * b,
-                param_bytes=2**30,
-                activation_bytes=16 * 2**20 * b,
-                output_bytes=2**20 * b,
-                boundary_bytes=0 if k == 0 else 2**20 * b,
-            )
-        )
-    return ModelProfile(
-        fingerprint="x",
-        source="analytic",
-        device=device,
-        batch_size=b,
-        dtype="float32",
-        threads=0,
-        capture="export",
-        blocks=tuple(blocks),
-    )
-
-
 def _search(band: float):
     # 8 H100, 1 GiB of parameters a block, batch 64: pp 4 × dp 2 is predicted fastest,
     # pp 1 × dp 8 (all-reduce heavy, no pipeline) 5.1 % slower.
     return search(
-        _profile_for,
+        chain_profiles(param_bytes=2**30),  # 12 blocks of 1 GiB, the ends 4× the work
         from_gpus(8, "h100"),
         Training(global_batch=64),
         SearchOptions(robust_band_pct=band),

@@ -5,51 +5,19 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from models import chain_profiles
 
 from planner.devices import from_gpus
 from planner.options import SearchOptions, Training
-from planner.plan.records import BlockCost, ModelProfile
 from planner.search import layouts, search
 
 GIB = 2**30
 
 
-def _profile_for(n_blocks: int = 12, param_bytes: int = 64 * 2**20, heavy_ends: bool = True):
-    def profile_for(device: str, b: int) -> ModelProfile:
-        blocks = []
-        for k in range(n_blocks):
-            scale = 4.0 if heavy_ends and k in (0, n_blocks - 1) else 1.0
-            blocks.append(
-                BlockCost(
-                    index=k,
-                    name=f"layer{k}",
-                    modules=(f"layer{k}",),
-                    fwd_ms=0.5 * scale * b,
-                    bwd_ms=1.0 * scale * b,
-                    param_bytes=param_bytes,
-                    activation_bytes=16 * 2**20 * b,
-                    output_bytes=2**20 * b,
-                    boundary_bytes=0 if k == 0 else 2**20 * b,
-                )
-            )
-        return ModelProfile(
-            fingerprint="x",
-            source="analytic",
-            device=device,
-            batch_size=b,
-            dtype="float32",
-            threads=0,
-            capture="export",
-            blocks=tuple(blocks),
-        )
-
-    return profile_for
-
-
 def _search(devices=8, batch=32, n_blocks=12, device="h100", **opts):
     cluster = from_gpus(devices, device)
     return search(
-        _profile_for(n_blocks),
+        chain_profiles(n_blocks),
         cluster,
         Training(global_batch=batch),
         SearchOptions(**opts),
@@ -105,7 +73,7 @@ def test_more_stages_than_blocks_quotes_both_numbers() -> None:
 
 def test_out_of_memory_everywhere_names_stages_and_fix() -> None:
     small = from_gpus(2, "l4")  # 22.5 GiB each
-    big = _profile_for(n_blocks=4, param_bytes=8 * GIB)  # 2 Gi params a block: 32 GiB of state
+    big = chain_profiles(n_blocks=4, param_bytes=8 * GIB)  # 2 Gi params a block: 32 GiB of state
     with pytest.raises(ValueError) as err:
         search(big, small, Training(global_batch=8), SearchOptions(), n_blocks=4)
     msg = str(err.value)
@@ -113,7 +81,7 @@ def test_out_of_memory_everywhere_names_stages_and_fix() -> None:
 
 
 def test_memory_pressure_turns_on_recompute_or_more_stages() -> None:
-    profile_for = _profile_for(n_blocks=8, param_bytes=512 * 2**20)
+    profile_for = chain_profiles(n_blocks=8, param_bytes=512 * 2**20)
 
     def heavy(device, b):  # activations dominate
         prof = profile_for(device, b)
