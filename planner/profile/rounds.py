@@ -17,6 +17,7 @@ __all__ = [
     "QUIET_SHARE",
     "Measured",
     "RoundTimes",
+    "block_sums",
     "kept_rounds",
     "net_ms",
     "split_charge",
@@ -109,8 +110,9 @@ def summarise(times: RoundTimes, shares: Sequence[float], harness: tuple[float, 
         return statistics.median(xs[i] for i in use)
 
     hf, hb = harness
-    check = split_check(times, shares, use, harness)
-    cf, cb = split_charge(times, use, harness) if check.judged else (0.0, 0.0)
+    sums = block_sums(times, use, harness)
+    check = split_check(times, shares, use, sums)
+    cf, cb = split_charge(times, use, sums) if check.judged else (0.0, 0.0)
     loss = (med(times.loss_f), med(times.loss_b)) if times.loss_f else (0.0, 0.0)
     return Measured(
         fwd_ms=[net_ms(med(x), hf + cf) for x in times.fwd],
@@ -118,13 +120,24 @@ def summarise(times: RoundTimes, shares: Sequence[float], harness: tuple[float, 
         loss_ms=loss,
         whole_ms=(med(times.whole_f), med(times.whole_b)),
         repeats=len(use),
-        load_note=_load_note(shares, len(use)),
+        load_note=_load_note(check),
         check=replace(check, charge_ms=cf + cb),
     )
 
 
-def split_charge(
+def block_sums(
     times: RoundTimes, use: list[int], harness: tuple[float, float]
+) -> tuple[list[float], list[float]]:
+    """Per kept round (in the order of ``use``), Σ over blocks of forward and of backward,
+    each less the timing harness's cost (:func:`net_ms`)."""
+    hf, hb = harness
+    fwd = [sum(net_ms(x[r], hf) for x in times.fwd) for r in use]
+    bwd = [sum(net_ms(x[r], hb) for x in times.bwd) for r in use]
+    return fwd, bwd
+
+
+def split_charge(
+    times: RoundTimes, use: list[int], sums: tuple[list[float], list[float]]
 ) -> tuple[float, float]:
     """Forward and backward ms a block timed alone pays that the unsplit graph does not.
 
@@ -144,17 +157,18 @@ def split_charge(
     n = len(times.fwd)
     if not n or not use:
         return 0.0, 0.0
-    hf, hb = harness
 
-    def excess(blocks: list[list[float]], whole: list[float], h: float) -> float:
-        split = min(sum(net_ms(x[r], h) for x in blocks) for r in use)
-        return max(0.0, split - min(whole[r] for r in use)) / n
+    def excess(split: list[float], whole: list[float]) -> float:
+        return max(0.0, min(split) - min(whole[r] for r in use)) / n
 
-    return excess(times.fwd, times.whole_f, hf), excess(times.bwd, times.whole_b, hb)
+    return excess(sums[0], times.whole_f), excess(sums[1], times.whole_b)
 
 
 def split_check(
-    times: RoundTimes, shares: Sequence[float], use: list[int], harness: tuple[float, float]
+    times: RoundTimes,
+    shares: Sequence[float],
+    use: list[int],
+    sums: tuple[list[float], list[float]],
 ) -> SplitCheck:
     """Σ blocks against the whole graph, like with like: each total's fastest kept round.
 
@@ -173,15 +187,10 @@ def split_check(
     overhead]) is added to the profile's forward times later and is no part
     of the check, since the whole graph runs as generated code, as the blocks do.
     """
-    hf, hb = harness
     loss = [f + b for f, b in zip(times.loss_f, times.loss_b, strict=True)] or [0.0] * len(
         times.whole_f
     )
-    blocks = [
-        sum(net_ms(f[r], hf) + net_ms(b[r], hb) for f, b in zip(times.fwd, times.bwd, strict=True))
-        + loss[r]
-        for r in use
-    ]
+    blocks = [f + b + loss[r] for f, b, r in zip(*sums, use, strict=True)]
     whole = [times.whole_f[r] + times.whole_b[r] + loss[r] for r in use]
     return SplitCheck(
         blocks_ms=min(blocks),
@@ -193,11 +202,10 @@ def split_check(
     )
 
 
-def _load_note(shares: Sequence[float], kept: int) -> str | None:
-    quiet = sum(x < QUIET_SHARE for x in shares)
-    if quiet == len(shares):
+def _load_note(check: SplitCheck) -> str | None:
+    if check.quiet == check.rounds:
         return None
     return (
-        f"{quiet} of {len(shares)} timed rounds were quiet (other processes "
-        f"under {QUIET_SHARE:.0%} of the cores); the times are medians of {kept}"
+        f"{check.quiet} of {check.rounds} timed rounds were quiet (other processes "
+        f"under {QUIET_SHARE:.0%} of the cores); the times are medians of {check.kept}"
     )

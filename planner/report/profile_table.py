@@ -24,11 +24,10 @@ def check_line(prof: ModelProfile) -> str:
     split check]): it is judged only when enough rounds were quiet, since on a
     busy machine neither total says what the model costs.
     """
+    if prof.split_check is not None:
+        return _judged(prof.split_check)
     total = prof.blocks_step_ms
     whole = prof.whole_step_ms
-    check = prof.split_check
-    if check is not None:
-        return _judged(check)
     if whole is None:
         return (
             f"check: Σ blocks fwd+bwd + loss = {total:.2f} ms "

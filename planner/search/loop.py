@@ -200,7 +200,8 @@ def _chosen(
         best = _proven(best, options, allowed, tried)
         if best.prediction.step_ms <= fastest.prediction.step_ms:  # its proof found faster
             fastest = best
-    best.choice = record(verdict, _sturdy(best), _sturdy(fastest), fastest.solution)
+    kept, quick = _sturdy(best), _sturdy(fastest)
+    best.choice = record(verdict, kept, quick, fastest.solution)
     best.candidates = ranked(
         [c for _, c in tried],
         best.layout,
@@ -209,7 +210,7 @@ def _chosen(
         single=single,
         fastest_ms=fastest.prediction.step_ms,
         band_pct=options.robust_band_pct,
-        why=None if fastest is best else row_reason(_sturdy(best), _sturdy(fastest), options),
+        why=None if fastest is best else row_reason(kept, quick, options),
     )
     return best
 
