@@ -7,7 +7,8 @@ place, so a crash never leaves a half-written entry.
 [Note: a bad cache entry is never fatal] An entry is checked whole before it is
 used: a regular file of at most ``MAX_ENTRY_BYTES``, JSON of this format, and a
 record of one of the kinds the planner stores (a ``ModelProfile``, typed, with
-every number finite and ≥ 0; or the local CPU's speed). An entry that is not is
+every number finite and ≥ 0; a ``Calibration``, the same; or the local CPU's
+speed). An entry that is not is
 ignored with a warning naming the file and why, and removed, so that it is
 rebuilt; where it cannot be removed (a read-only cache) the warning says so and
 planning goes on without it.
@@ -30,11 +31,24 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.plan.files import atomic_write
 
-__all__ = ["MAX_ENTRY_BYTES", "cache_dir", "deferred", "key", "load", "store"]
+if TYPE_CHECKING:
+    from planner.plan.records import Calibration
+
+__all__ = [
+    "MAX_ENTRY_BYTES",
+    "cache_dir",
+    "calibration_key",
+    "deferred",
+    "key",
+    "load",
+    "load_calibration",
+    "store",
+    "store_calibration",
+]
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +163,15 @@ def _read(path: Path, st: os.stat_result) -> dict[str, Any]:
 
 def _check(name: str, data: dict[str, Any]) -> None:
     """Raise ``_BadEntry`` unless ``data`` is a whole record of a kind the planner stores."""
-    from planner.plan.records import ModelProfile
+    from planner.plan.records import Calibration, ModelProfile
+
+    if set(data) == {"calibration"}:
+        try:
+            cal = Calibration.from_dict(data["calibration"], path=name)
+            cal.check_figures(name)
+        except ValueError as exc:
+            raise _BadEntry(f"it is not a whole calibration: {exc}") from exc
+        return
 
     profile_keys = {f.name for f in dataclasses.fields(ModelProfile)}
     if len(profile_keys & set(data)) >= len(_CPU_KEYS & set(data)) and data:
@@ -211,3 +233,32 @@ def _write(k: str, data: dict[str, Any]) -> Path | None:
         )
         return None
     return path
+
+
+# --------------------------------------------------------------------------- calibrations
+
+
+def calibration_key(fingerprint: str, device: str, precision: str) -> str:
+    """The key of the calibration of a model (by fingerprint) on a device type at a
+    precision: one for every thread count of a local CPU (the run it was fitted on is
+    in its ``source``)."""
+    return key("calibration", fingerprint, device, precision)
+
+
+def load_calibration(fingerprint: str, device: str, precision: str) -> Calibration | None:
+    """The calibration ``planner calibrate`` stored for these, or None."""
+    from planner.plan.records import Calibration
+
+    data = load(calibration_key(fingerprint, device, precision))
+    if data is None or set(data) != {"calibration"}:
+        return None
+    return Calibration.from_dict(data["calibration"], path="calibration")
+
+
+def store_calibration(
+    calibration: Calibration, fingerprint: str, device: str, precision: str
+) -> Path | None:
+    """Keep ``calibration`` for these (replacing any there); its path, None when the cache
+    cannot be written."""
+    k = calibration_key(fingerprint, device, precision)
+    return store(k, {"calibration": calibration.to_dict()})

@@ -1,4 +1,4 @@
-"""The ``planner`` command line: ``planner profile|plan|show|run|init-weights``.
+"""The ``planner`` command line: ``planner profile|plan|show|run|calibrate|init-weights``.
 
 The flags of every knob are generated from the option dataclasses
 (:mod:`planner.options`, :mod:`runtime.options`): the CLI parses into the same
@@ -39,7 +39,8 @@ __all__ = ["main"]
 log = logging.getLogger("planner")
 
 _MODEL_FILE = "a model.py defining build_model() and sample_batch(n)"
-_PLAN_PROFILE = ("repeats", "warmup", "target_blocks", "cache")  # profile knobs `plan` takes
+# the profile knobs `plan` takes
+_PLAN_PROFILE = ("repeats", "warmup", "target_blocks", "cache", "calibration")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,8 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
     from runtime.launch import add_run_parser
 
     add_run_parser(sub)
+    from planner.calibrate.command import add_calibrate_parser
+
+    add_calibrate_parser(sub, _run_plan)
     _add_init_weights_parser(sub)
     return parser
+
+
+def _run_plan(model_file: str, plan_file: str, steps: int, measurements: str) -> int:
+    """``planner run`` of a plan for ``planner calibrate``, its measurements saved."""
+    from runtime.launch import cmd_run
+
+    argv = ["run", model_file, "--plan", plan_file, "--steps", str(steps)]
+    return int(cmd_run(build_parser().parse_args([*argv, "--measurements", measurements])))
 
 
 def _add_profile_parser(sub: Any) -> None:
@@ -249,10 +261,8 @@ def _planned(ns: argparse.Namespace, progress: Any) -> Plan:
         progress(f"loading torch and {ns.model_file}", 0, 0, "")
     from planner.devices.build import from_gpus
     from planner.devices.cluster_file import load_cluster
-    from planner.plan.modelfile import load_model_file
-    from planner.plan.text import first_line
-    from planner.planning import plan_model
-    from planner.profile.meta import ShapesOnlyError
+    from planner.plan.modelfile import ModelFile
+    from planner.planning import plan_model_file
 
     if ns.cluster:
         cluster = load_cluster(ns.cluster)
@@ -260,39 +270,15 @@ def _planned(ns: argparse.Namespace, progress: Any) -> Plan:
             raise ValueError("--device-type goes with --gpus; a cluster file names its devices")
     else:
         cluster = from_gpus(ns.gpus, ns.device_type)
-    mf = load_model_file(ns.model_file)
-    options = PlanOptions(
-        training=from_namespace(Training, ns, global_batch=ns.global_batch or mf.batch_size),
-        search=from_namespace(SearchOptions, ns),
-        profile=from_namespace(ProfileOptions, ns),
-    )
-    # Analytic costs need shapes only: the model is built on the meta device.
-    analytic = "cpu" not in cluster.device_types
 
-    def sampler(b: int) -> tuple[Any, Any, Any]:
-        bt = mf.sample(b)
-        return bt.args, bt.kwargs, bt.targets
-
-    def planned(model: Any, progress: Any) -> Plan:
-        return plan_model(
-            model,
-            sampler,
-            cluster=cluster,
-            loss_fn=mf.loss,
-            options=options,
-            model_file=str(ns.model_file),
-            progress=progress,
+    def options(mf: ModelFile) -> PlanOptions:
+        return PlanOptions(
+            training=from_namespace(Training, ns, global_batch=ns.global_batch or mf.batch_size),
+            search=from_namespace(SearchOptions, ns),
+            profile=from_namespace(ProfileOptions, ns),
         )
 
-    if progress is not None:
-        progress("building the model" + (" (shapes only)" if analytic else ""), 0, 0, "")
-    try:
-        return planned(mf.build(meta=analytic), progress)
-    except ShapesOnlyError as exc:  # the forward reads values: plan on real tensors
-        log.warning("%s; building the model with real tensors", first_line(exc))
-        if progress is not None:
-            progress("building the model", 0, 0, "")
-        return planned(mf.build(), progress)
+    return plan_model_file(ns.model_file, cluster, options, progress)
 
 
 def _check_writable(flag: str, value: str | None) -> None:

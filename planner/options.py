@@ -174,6 +174,12 @@ class ProfileOptions:
         flag="--max-stages",
     )
     cache: bool = option(True, help="ignore and do not write the profile cache", flag="--no-cache")
+    calibration: bool = option(
+        True,
+        help="ignore the calibration `planner calibrate` stored for this model, device and "
+        "precision (by default it corrects the cost model, and the report says so)",
+        flag="--no-calibration",
+    )
     split_points: tuple[str, ...] | None = option(
         None,
         help="use exactly these split points instead of the granularity rule (the same "

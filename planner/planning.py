@@ -21,6 +21,7 @@ from planner.devices.cluster import Cluster
 from planner.options import PlanOptions, SearchOptions, Training
 from planner.plan.batch import batch_size_of, normalize_inputs, slice_batch
 from planner.plan.fingerprint import parameter_shapes
+from planner.plan.modelfile import ModelFile, load_model_file
 from planner.plan.records import ModelProfile
 from planner.plan.schema import Plan
 from planner.plan.sections import (
@@ -32,15 +33,17 @@ from planner.plan.sections import (
     StagePlan,
     TrainingPlan,
 )
+from planner.plan.text import first_line
 from planner.plan.unexpected import add_where
 from planner.profile.finite import nonfinite_warning
+from planner.profile.meta import ShapesOnlyError
 from planner.profile.sizes import Sampler, SizedProfiles
 from planner.profile.timing import Progress
 from planner.search.configurations import ProfileFor, ThreadsFor, configurations, local_cpu
 from planner.search.loop import SearchResult, search
 from planner.solve.partition import check_solver
 
-__all__ = ["plan_model", "predicted", "stage_plans"]
+__all__ = ["plan_model", "plan_model_file", "predicted", "stage_plans"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,49 @@ def plan_model(
         measured = base.source == "measured"  # it ran real values: were they finite?
         finite = nonfinite_warning(model, sampler, loss_fn, min(sizes)) if measured else None
         return _assemble(result, base, cluster, options, profiles, model, model_file, finite)
+
+
+def plan_model_file(
+    model_file: str,
+    cluster: Cluster,
+    options: Callable[[ModelFile], PlanOptions],
+    progress: Progress | None = None,
+) -> Plan:
+    """:func:`plan_model` of a model file (``planner plan``): for catalogue devices the
+    model is built on the meta device (shapes only), and with real tensors when its
+    forward reads values.
+
+    Args:
+        options: the options, given the loaded model file (its batch size).
+    """
+    mf = load_model_file(model_file)
+    opts = options(mf)
+    analytic = "cpu" not in cluster.device_types
+
+    def sampler(b: int) -> tuple[Any, Any, Any]:
+        bt = mf.sample(b)
+        return bt.args, bt.kwargs, bt.targets
+
+    def planned(model: Any) -> Plan:
+        return plan_model(
+            model,
+            sampler,
+            cluster=cluster,
+            loss_fn=mf.loss,
+            options=opts,
+            model_file=str(model_file),
+            progress=progress,
+        )
+
+    if progress is not None:
+        progress("building the model" + (" (shapes only)" if analytic else ""), 0, 0, "")
+    try:
+        return planned(mf.build(meta=analytic))
+    except ShapesOnlyError as exc:  # the forward reads values: plan on real tensors
+        log.warning("%s; building the model with real tensors", first_line(exc))
+        if progress is not None:
+            progress("building the model", 0, 0, "")
+        return planned(mf.build())
 
 
 def _first(profiles: SizedProfiles, b: int) -> ModelProfile:

@@ -69,6 +69,12 @@ class RunOptions:
         False, help="resume from a checkpoint of another layout of the same model (by name)"
     )
     trace: str | None = option(None, help="write the measured Chrome/Perfetto trace here")
+    measurements: str | None = option(
+        None,
+        help="write every rank's timed actions and peak memory here (JSON), for "
+        "`planner calibrate`",
+        metavar="FILE",
+    )
     optimizer: str | None = option(
         None,
         help="the optimizer (none: the plan's; sgd means SGD with momentum 0.9)",

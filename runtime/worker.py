@@ -58,6 +58,7 @@ from torch import nn
 from planner.plan.batch import Batch
 from planner.plan.fields import from_namespace
 from planner.plan.files import load_plan
+from planner.plan.measured import save_measurement
 from planner.plan.modelfile import ModelFile, load_model_file
 from planner.plan.schema import Plan, plan_summary
 from runtime.checkpoint import latest_complete, load, save, seed_step
@@ -136,6 +137,9 @@ def _train(opts: RunOptions) -> int:
         print(comparison_table(plan, result), flush=True)
         if opts.trace:
             print(f"measured trace written to {write_trace(result, opts.trace)}", flush=True)
+        if opts.measurements:
+            saved = save_measurement(result, opts.measurements)
+            print(f"measurements written to {saved}", flush=True)
     elif lead and not trained:
         print(f"nothing to train: already at step {start} of {opts.steps}", flush=True)
     Where.where = "while finishing"

@@ -51,6 +51,16 @@ ALLOWED: dict[str, set[str] | None] = {
         "planner.solve",
     },
     "planner.report": {"planner.plan", "planner.devices", "planner.cost"},
+    # fit the cost model to a run, keep the fit, plan again (the run is passed in by the CLI)
+    "planner.calibrate": {
+        "planner.plan",
+        "planner.cache",
+        "planner.cost",
+        "planner.devices",
+        "planner.options",
+        "planner.profile",
+        "planner.planning",
+    },
     "planner.planning": None,  # sizes -> profiles -> search -> Plan: every part of the planner
     "planner.auto": None,  # the one module of the planner that imports the runtime ...
     "planner.cli": None,  # ... and the command line, for `planner run`

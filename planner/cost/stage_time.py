@@ -36,12 +36,14 @@ from collections.abc import Sequence
 
 from planner.cost.basis import CostBasis
 from planner.devices.catalogue import Device
+from planner.plan.records import Calibration, ModelProfile
 
 __all__ = [
     "ACTION_OVERHEAD_MS",
     "CPU_CORUN_SLOWDOWN",
     "CPU_OVERSUBSCRIBED_WAKEUP_S",
     "StageTime",
+    "corun_slowdown",
     "cpu_speeds",
 ]
 
@@ -80,7 +82,9 @@ CPU_OVERSUBSCRIBED_WAKEUP_S = 2e-3
 _CPU_STEP = {"adam": (19, 72.0), "adamw": (21, 80.0), "sgd": (6, 32.0)}
 
 
-def cpu_speeds(*, stages: int, processes: int, threads: int, cores: int) -> list[float]:
+def cpu_speeds(
+    *, stages: int, processes: int, threads: int, cores: int, corun: float = CPU_CORUN_SLOWDOWN
+) -> list[float]:
     """[Note: shared cores] for local CPU processes: the speed of each computing
     process while k of the ``stages`` compute at once (k = 1 … stages).
 
@@ -88,7 +92,7 @@ def cpu_speeds(*, stages: int, processes: int, threads: int, cores: int) -> list
     over the stages, so k computing stages keep k/stages of them busy. More
     threads than ``cores`` are time-sliced (speed cores / threads busy), and two
     or more processes running at once share the memory bandwidth
-    (``CPU_CORUN_SLOWDOWN``).
+    (``corun``, default ``CPU_CORUN_SLOWDOWN``; a calibration may fit its own).
 
     Example::
 
@@ -99,8 +103,15 @@ def cpu_speeds(*, stages: int, processes: int, threads: int, cores: int) -> list
         busy = max(1.0, k * processes / stages)  # processes computing
         share = min(1.0, cores / (busy * threads))
         running = min(busy, cores / threads)  # processes on a core at any instant
-        out.append(share / (CPU_CORUN_SLOWDOWN if running > 1 else 1.0))
+        out.append(share / (corun if running > 1 else 1.0))
     return out
+
+
+def corun_slowdown(profile: ModelProfile) -> float:
+    """The co-run slow-down of local CPU processes: the profile's calibration's, else
+    ``CPU_CORUN_SLOWDOWN``."""
+    cal = profile.calibration
+    return CPU_CORUN_SLOWDOWN if cal is None or cal.corun_slowdown is None else cal.corun_slowdown
 
 
 class StageTime:
@@ -115,12 +126,18 @@ class StageTime:
         comm_scale: the same for transfers (between CPU processes they are CPU
             work too: loopback copies), 1 elsewhere.
         wakeup_s: the wait per message when the cores are oversubscribed.
+        calibration: the profile's calibration (``planner calibrate``), or one
+            that changes nothing: its action overhead and co-run slow-down
+            replace the defaults, its scales multiply the optimizer step and the
+            all-reduce, its extra is added to each transfer between stages.
     """
 
     def __init__(self, basis: CostBasis) -> None:
         self.b = basis
         backend = basis.cluster.backend
-        self.overhead = ACTION_OVERHEAD_MS.get(backend, 0.0)
+        self.calibration = basis.profile.calibration or Calibration()
+        fitted = self.calibration.action_overhead_ms
+        self.overhead = ACTION_OVERHEAD_MS.get(backend, 0.0) if fitted is None else fitted
         self.speeds = self._speeds()
         self.compute_scale = 1.0 / self.speeds[-1]
         self.comm_scale = self.compute_scale if backend == "gloo" else 1.0
@@ -144,7 +161,8 @@ class StageTime:
             return [1.0] * pp
         processes, threads = self._cpu_processes()
         cores = self.b.cluster.cores_per_node
-        return cpu_speeds(stages=pp, processes=processes, threads=threads, cores=cores)
+        corun = corun_slowdown(self.b.profile)
+        return cpu_speeds(stages=pp, processes=processes, threads=threads, cores=cores, corun=corun)
 
     def _oversubscribed(self) -> bool:
         """More busy threads than cores on a node, with every stage computing."""
@@ -185,7 +203,8 @@ class StageTime:
             link = b.cluster.p2p_time(src, dst, nbytes) + self.wakeup_s
             fwd = max(fwd, link + self._dense_copy_s(src, copied))
             bwd = max(bwd, link + self._dense_copy_s(dst, copied))
-        return fwd * 1e3 * self.comm_scale, bwd * 1e3 * self.comm_scale
+        scale, extra = 1e3 * self.comm_scale, self.calibration.p2p_extra_ms
+        return fwd * scale + extra, bwd * scale + extra
 
     def _link_pairs(self, s: int) -> list[tuple[int, int]]:
         """One (sender, receiver) rank pair of link s → s+1 per kind of pair the replicas
@@ -242,7 +261,7 @@ class StageTime:
             if cpu:  # every process steps at the end: the steady state's speed
                 t = (t / max(1, threads) + tensors * ops * dev.op_overhead_s) * self.compute_scale
             slowest = max(slowest, t)
-        return slowest * 1e3
+        return slowest * 1e3 * self.calibration.optimizer_scale
 
     def reduce_ms(self, s: int, i: int, j: int) -> float:
         """DDP's all-reduce of stage s's gradients across its replicas (tied copies
@@ -253,7 +272,7 @@ class StageTime:
         n_params = b.parameters(s, i, j) + b.tied_copy_bytes(i, j) / b.param_elem
         t = b.cluster.allreduce_time(b.layout.ranks[s], n_params * b.wire_b)
         t += 2 * (b.layout.dp - 1) * self.wakeup_s  # a ring's 2(n − 1) messages
-        return t * 1e3 * self.comm_scale
+        return t * 1e3 * self.comm_scale * self.calibration.allreduce_scale
 
     def tied_ms(self, s: int, i: int, j: int) -> float:
         """The all-reduce of tied weights' gradients that stage s shares with other

@@ -106,7 +106,13 @@ def allreduce_floor(
 
 
 def shared_cores_bound(
-    total: float, pp: int, dp: int, micro_batches: int, threads: int, cores: int
+    total: float,
+    pp: int,
+    dp: int,
+    micro_batches: int,
+    threads: int,
+    cores: int,
+    corun: float = CPU_CORUN_SLOWDOWN,
 ) -> float:
     """A lower bound on the step of pp · dp local CPU processes sharing ``cores`` cores.
 
@@ -114,7 +120,7 @@ def shared_cores_bound(
     process of ``threads`` threads running alone; a step does dp · m of them. In
     [Note: shared cores] (:func:`planner.cost.stage_time.cpu_speeds`) k busy
     processes each run at min(1, cores / (k · threads)) of their speed alone, and
-    ``CPU_CORUN_SLOWDOWN`` (c) slower still while more than one is on a core, so
+    ``corun`` (c, default ``CPU_CORUN_SLOWDOWN``) slower still while more than one is on a core, so
     together they get through at most
 
         r = max(min(1, cores / threads), min(pp · dp, cores / threads) / c)
@@ -125,7 +131,7 @@ def shared_cores_bound(
     46.0
     """
     lanes = cores / threads
-    rate = max(min(1.0, lanes), min(pp * dp, lanes) / CPU_CORUN_SLOWDOWN)
+    rate = max(min(1.0, lanes), min(pp * dp, lanes) / corun)
     return dp * micro_batches * total / rate
 
 

@@ -18,7 +18,15 @@ from typing import Any
 
 from planner.plan.codec import Record
 
-__all__ = ["DTYPE_BYTES", "MIN_QUIET_ROUNDS", "BlockCost", "ModelProfile", "SplitCheck", "TiedSet"]
+__all__ = [
+    "DTYPE_BYTES",
+    "MIN_QUIET_ROUNDS",
+    "BlockCost",
+    "Calibration",
+    "ModelProfile",
+    "SplitCheck",
+    "TiedSet",
+]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 """Bytes per element of the dtype names a profile uses (``ModelProfile.dtype``)."""
@@ -137,6 +145,54 @@ class SplitCheck(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Calibration(Record):
+    """Corrections to the cost model, fitted from a run of a plan (``planner calibrate``).
+
+    A profile carrying one (``ModelProfile.calibration``) has its blocks' and
+    loss's times already multiplied by ``fwd_scale`` and ``bwd_scale``
+    (``planner.cost.calibration``); the other figures replace the cost model's
+    defaults while it prices a layout. A figure the run could not determine is
+    left at 1 (or None: the default) and not named in ``fitted``.
+
+    Attributes:
+        fwd_scale / bwd_scale: measured ÷ profiled compute of one forward /
+            backward action (per device type: each profile has its own).
+        action_overhead_ms: the fixed cost of one pipeline action (None: the
+            backend's ``ACTION_OVERHEAD_MS``), fitted last, so that the
+            simulated step of the run's placement is its measured step.
+        corun_slowdown: local CPU processes computing at once run this much
+            slower than alone (None: ``CPU_CORUN_SLOWDOWN``).
+        optimizer_scale / allreduce_scale: measured ÷ predicted optimizer step
+            and DDP gradient all-reduce.
+        p2p_extra_ms: what a transfer between stages took beyond its predicted
+            time (a message's fixed cost: the handshake, waking the receiver),
+            added to each one.
+        fitted: the names of the fields the run determined.
+        source: the run it was fitted on (layout, devices, steps counted).
+        measured_step_ms: that run's median step.
+        before_ms / after_ms: its placement's predicted step without and with
+            this calibration.
+    """
+
+    fwd_scale: float = 1.0
+    bwd_scale: float = 1.0
+    action_overhead_ms: float | None = None
+    corun_slowdown: float | None = None
+    optimizer_scale: float = 1.0
+    p2p_extra_ms: float = 0.0
+    allreduce_scale: float = 1.0
+    fitted: tuple[str, ...] = ()
+    source: str = ""
+    measured_step_ms: float = 0.0
+    before_ms: float = 0.0
+    after_ms: float = 0.0
+
+    def check_figures(self, path: str = "calibration") -> None:
+        """Every number is finite and ≥ 0 (see ``ModelProfile.check_figures``)."""
+        _check_figures(self, path)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelProfile(Record):
     """Every block's cost at one micro-batch size on one device.
 
@@ -159,6 +215,7 @@ class ModelProfile(Record):
         split_check: the same check taken round by round (None for analytic
             profiles and older ones).
         repeats: timed repeats per figure (median taken).
+        calibration: the corrections applied to these figures (None: as profiled).
     """
 
     fingerprint: str
@@ -178,6 +235,7 @@ class ModelProfile(Record):
     split_check: SplitCheck | None = None
     repeats: int = 0
     notes: tuple[str, ...] = field(default=())
+    calibration: Calibration | None = None
 
     @property
     def blocks_step_ms(self) -> float:

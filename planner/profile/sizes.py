@@ -28,9 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from planner.cache import load_calibration
 from planner.capture.trace import CaptureError
 from planner.devices.cluster import Cluster
 from planner.options import ProfileOptions, Training
+from planner.plan.calibration import calibrated
 from planner.plan.records import BlockCost, ModelProfile
 from planner.plan.text import first_line
 from planner.profile.meta import sampled_on_meta
@@ -216,7 +218,16 @@ class SizedProfiles:
             raise self._too_small(b, exc) from exc
         if self.split_points is None:
             self.split_points = tuple(b.name for b in prof.blocks)
-        return prof
+        return self._calibrated(prof)
+
+    def _calibrated(self, prof: ModelProfile) -> ModelProfile:
+        """``prof`` with the calibration stored for it applied (``planner calibrate``),
+        unless ``--no-calibration``."""
+        if not self.options.calibration:
+            return prof
+        precision = self.training.precision
+        cal = load_calibration(prof.fingerprint, prof.device, precision)
+        return prof if cal is None else calibrated(prof, cal)
 
     def _phases(self, device: str, b: int, threads: int) -> Progress | None:
         """The progress callback for one anchor's profile: a phase "tracing" begun now

@@ -13,6 +13,7 @@ import math
 
 from planner.cost.simulate import replay, simulate
 from planner.devices.cluster_file import from_record
+from planner.plan.records import Calibration
 from planner.plan.schema import Plan
 from planner.plan.timeline import Timeline
 from planner.plan.units import GIB, MIB
@@ -182,7 +183,35 @@ def summary(plan: Plan, tl: Timeline) -> list[tuple[str, str]]:
     rows.append(("solver", _solver(plan)))
     if plan.choice is not None:
         rows.append(("choice", _choice(plan)))
+    cals = [(p.device, p.calibration) for p in plan.profiles if p.calibration is not None]
+    if cals:
+        rows.append(("calibrated", _calibrated(dict(cals))))
     return rows
+
+
+def _calibrated(cals: dict[str, Calibration]) -> str:
+    """The calibration the cost model was corrected with (``planner calibrate``)."""
+    c = next(iter(cals.values()))
+    speeds = ", ".join(
+        f"{dev} forward × {x.fwd_scale:.2f}, backward × {x.bwd_scale:.2f}"
+        for dev, x in cals.items()
+    )
+    parts = [speeds]
+    if c.action_overhead_ms is not None:
+        parts.append(f"{c.action_overhead_ms:.2f} ms per action")
+    if c.corun_slowdown is not None:
+        parts.append(f"co-run × {c.corun_slowdown:.2f}")
+    if c.p2p_extra_ms:
+        parts.append(f"+ {c.p2p_extra_ms:.2f} ms per transfer")
+    if c.allreduce_scale != 1.0:
+        parts.append(f"all-reduce × {c.allreduce_scale:.2f}")
+    if c.optimizer_scale != 1.0:
+        parts.append(f"optimizer × {c.optimizer_scale:.2f}")
+    return (
+        f"{'; '.join(parts)} (planner calibrate, from a run of {c.source}: measured "
+        f"{fmt_ms(c.measured_step_ms)} ms, predicted {fmt_ms(c.before_ms)} ms before; "
+        "--no-calibration ignores it)"
+    )
 
 
 def _choice(plan: Plan) -> str:
@@ -224,7 +253,8 @@ SUMMARY_NOTES = (
     "slowest stage + the all-reduce, which ignores overlap, shown where it differs; solver: "
     "what is proven about the step, over every contiguous placement of this configuration; "
     "choice: why this configuration, when the search kept the sturdiest within the cost "
-    "model's error band of the fastest"
+    "model's error band of the fastest; calibrated: the corrections `planner calibrate` "
+    "fitted to a run of this model, which the cost model applied"
 )
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner.cost.basis import wire_bytes
+from planner.cost.stage_time import corun_slowdown
 from planner.cost.step_time import (
     allreduce_floor,
     reduce_chain_bound,
@@ -318,7 +319,9 @@ def bounded(
             bound = work_bound(total, heaviest, pp, m, sched)
             used = full
             if cpu:
-                bound = max(bound, shared_cores_bound(total, pp, dp, m, t, full.cores_per_node))
+                corun = corun_slowdown(prof_for(full.device_types[0], b))
+                cores = full.cores_per_node
+                bound = max(bound, shared_cores_bound(total, pp, dp, m, t, cores, corun))
                 used = _first(full, pp * dp)
             label = f", {t} thread{'s' if t != 1 else ''} per process" if cpu else ""
             for name, grid in layouts(used, pp, dp):

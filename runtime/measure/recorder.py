@@ -42,16 +42,15 @@ recorder starts (good to about a millisecond on one machine).
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from planner.plan.measured import Interval, Measurement, RankRecord
 from runtime.measure.memory import MemoryProbe
 
 if TYPE_CHECKING:
@@ -60,103 +59,6 @@ if TYPE_CHECKING:
 __all__ = ["Interval", "Measurement", "RankRecord", "Recorder"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Interval:
-    """One timed action: ``kind`` "F", "B", "loss", "tied", "optimizer" or "step".
-
-    ``start`` and ``end`` are seconds since the recorder started (aligned
-    across ranks); ``micro_batch`` is -1 for whole-step actions.
-    """
-
-    kind: str
-    step: int
-    micro_batch: int
-    start: float
-    end: float
-
-    @property
-    def ms(self) -> float:
-        return (self.end - self.start) * 1e3
-
-
-@dataclass
-class RankRecord:
-    """One rank's record, as gathered to rank 0."""
-
-    rank: int
-    replica: int
-    stage: int
-    device: str
-    intervals: list[Interval] = field(default_factory=list)
-    peak_bytes: float = 0.0
-    memory_method: str = ""
-
-    def durations(self, kind: str, steps: set[int], skip_mb: int | None = None) -> list[float]:
-        """Milliseconds of every ``kind`` action in ``steps``; a forward includes its loss.
-
-        ``skip_mb``: leave out this micro-batch's actions (see ``stage_figures``).
-        """
-        out: dict[tuple[int, int], float] = {}
-        for iv in self.intervals:
-            if iv.step not in steps or (skip_mb is not None and iv.micro_batch == skip_mb):
-                continue
-            if iv.kind == kind or (kind == "F" and iv.kind == "loss"):
-                key = (iv.step, iv.micro_batch)
-                out[key] = out.get(key, 0.0) + iv.ms
-        return list(out.values())
-
-
-@dataclass
-class Measurement:
-    """Every rank's record (rank 0, after :meth:`Recorder.gather`) and which steps count."""
-
-    records: list[RankRecord]
-    steps: list[int]  # recorded steps, in order
-    counted: list[int]  # the ones after warm-up (the figures' source)
-    global_batch: int
-
-    def stage_figures(
-        self, stage: int, *, skip_last_backward: int | None = None
-    ) -> dict[str, float]:
-        """Medians over the counted steps (and over replicas) for one stage.
-
-        ``skip_last_backward=m``: leave micro-batch m − 1's backward out (with
-        dp > 1 it holds DDP's gradient all-reduce; see ``comparison_table``).
-        """
-        counted = set(self.counted)
-        recs = [r for r in self.records if r.stage == stage]
-        skip = None if skip_last_backward is None else skip_last_backward - 1
-        fwd = [d for r in recs for d in r.durations("F", counted)]
-        bwd = [d for r in recs for d in r.durations("B", counted, skip)]
-        step = [d for r in recs for d in r.durations("step", counted)]
-        return {
-            "fwd_ms": _median(fwd),
-            "bwd_ms": _median(bwd),
-            "step_ms": _median(step),
-            "peak_bytes": max((r.peak_bytes for r in recs), default=float("nan")),
-        }
-
-    @property
-    def step_ms(self) -> float:
-        """Median over counted steps of the slowest rank's step time."""
-        counted = set(self.counted)
-        per_step: dict[int, float] = {}
-        for r in self.records:
-            for iv in r.intervals:
-                if iv.kind == "step" and iv.step in counted:
-                    per_step[iv.step] = max(per_step.get(iv.step, 0.0), iv.ms)
-        return _median(list(per_step.values()))
-
-    @property
-    def samples_per_s(self) -> float:
-        ms = self.step_ms
-        return self.global_batch / (ms / 1e3) if ms > 0 else float("nan")
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 # --------------------------------------------------------------------------- recording
@@ -310,7 +212,7 @@ class Recorder:
             replica=mesh.replica,
             stage=mesh.stage,
             device=str(self.device),
-            intervals=list(self._intervals),
+            intervals=tuple(self._intervals),
             peak_bytes=peak,
             memory_method=method,
         )
@@ -333,8 +235,8 @@ class Recorder:
         counted = [s for s in recorded if s >= self._first + self.warmup_steps] or recorded
         return Measurement(
             records=sorted(parts, key=lambda r: r.rank),
-            steps=recorded,
-            counted=counted,
+            steps=tuple(recorded),
+            counted=tuple(counted),
             global_batch=self.pmodel.plan.global_batch,
         )
 

@@ -1,0 +1,144 @@
+"""What a run measured, as data: every rank's timed actions and peak memory.
+
+The runtime's recorder (``runtime.measure.recorder``) fills these records while
+a plan trains; ``planner run --measurements FILE`` saves them (JSON), and the
+planner reads them back to fit a calibration (``planner.calibrate``). They are
+part of the contract between the two sides, so they live here.
+
+Times in the records are seconds since the recorder started (aligned across
+ranks by a barrier); the figures they give are milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.plan.codec import Record
+from planner.plan.files import atomic_write
+
+__all__ = ["Interval", "Measurement", "RankRecord", "load_measurement", "save_measurement"]
+
+_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Interval(Record):
+    """One timed action: ``kind`` "F", "B", "loss", "tied", "optimizer" or "step".
+
+    ``start`` and ``end`` are seconds since the recorder started (aligned
+    across ranks); ``micro_batch`` is -1 for whole-step actions.
+    """
+
+    kind: str
+    step: int
+    micro_batch: int
+    start: float
+    end: float
+
+    @property
+    def ms(self) -> float:
+        return (self.end - self.start) * 1e3
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankRecord(Record):
+    """One rank's record, as gathered to rank 0."""
+
+    rank: int
+    replica: int
+    stage: int
+    device: str
+    intervals: tuple[Interval, ...] = ()
+    peak_bytes: float = 0.0
+    memory_method: str = ""
+
+    def durations(self, kind: str, steps: set[int], skip_mb: int | None = None) -> list[float]:
+        """Milliseconds of every ``kind`` action in ``steps``; a forward includes its loss.
+
+        ``skip_mb``: leave out this micro-batch's actions (see ``stage_figures``).
+        """
+        out: dict[tuple[int, int], float] = {}
+        for iv in self.intervals:
+            if iv.step not in steps or (skip_mb is not None and iv.micro_batch == skip_mb):
+                continue
+            if iv.kind == kind or (kind == "F" and iv.kind == "loss"):
+                key = (iv.step, iv.micro_batch)
+                out[key] = out.get(key, 0.0) + iv.ms
+        return list(out.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement(Record):
+    """Every rank's record and which steps count (the ones after warm-up)."""
+
+    records: tuple[RankRecord, ...]
+    steps: tuple[int, ...]  # recorded steps, in order
+    counted: tuple[int, ...]  # the figures' source
+    global_batch: int
+
+    def stage_figures(
+        self, stage: int, *, skip_last_backward: int | None = None
+    ) -> dict[str, float]:
+        """Medians over the counted steps (and over replicas) for one stage.
+
+        ``skip_last_backward=m``: leave micro-batch m − 1's backward out (with
+        dp > 1 it holds DDP's gradient all-reduce; see ``comparison_table``).
+        """
+        counted = set(self.counted)
+        recs = [r for r in self.records if r.stage == stage]
+        skip = None if skip_last_backward is None else skip_last_backward - 1
+        fwd = [d for r in recs for d in r.durations("F", counted)]
+        bwd = [d for r in recs for d in r.durations("B", counted, skip)]
+        step = [d for r in recs for d in r.durations("step", counted)]
+        return {
+            "fwd_ms": median(fwd),
+            "bwd_ms": median(bwd),
+            "step_ms": median(step),
+            "peak_bytes": max((r.peak_bytes for r in recs), default=float("nan")),
+        }
+
+    @property
+    def step_ms(self) -> float:
+        """Median over counted steps of the slowest rank's step time."""
+        counted = set(self.counted)
+        per_step: dict[int, float] = {}
+        for r in self.records:
+            for iv in r.intervals:
+                if iv.kind == "step" and iv.step in counted:
+                    per_step[iv.step] = max(per_step.get(iv.step, 0.0), iv.ms)
+        return median(list(per_step.values()))
+
+    @property
+    def samples_per_s(self) -> float:
+        ms = self.step_ms
+        return self.global_batch / (ms / 1e3) if ms > 0 else float("nan")
+
+
+def median(xs: list[float]) -> float:
+    """The median, NaN for no values."""
+    return statistics.median(xs) if xs else float("nan")
+
+
+def save_measurement(result: Measurement, path: str | os.PathLike[str]) -> Path:
+    """Write ``result`` as JSON, atomically."""
+    data = {"format": _FORMAT, "measurement": result.to_dict()}
+    return atomic_write(path, json.dumps(data))
+
+
+def load_measurement(path: str | os.PathLike[str]) -> Measurement:
+    """Read a file :func:`save_measurement` wrote.
+
+    Raises:
+        ValueError: it is not one (the message names the file and the key).
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the measurements {path}: {exc}") from exc
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        raise ValueError(f"{path} is not a measurements file of format {_FORMAT}")
+    return Measurement.from_dict(data.get("measurement"), path=str(path))
