@@ -98,8 +98,11 @@ def tower_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
-def tower_plan(devices: int = 4, *, cluster: Cluster | None = None, **search: object) -> Plan:
-    """A :class:`Tower` planned on ``devices`` analytic H100s (or ``cluster``), batch 16."""
+def tower_plan(
+    devices: int = 4, *, cluster: Cluster | None = None, calibration: bool = True, **search: object
+) -> Plan:
+    """A :class:`Tower` planned on ``devices`` analytic H100s (or ``cluster``), batch 16
+    (``calibration``: apply one stored for it, ``ProfileOptions.calibration``)."""
     torch.manual_seed(0)
     idx = torch.randint(0, 512, (16, 8))
     return plan_model(
@@ -110,7 +113,7 @@ def tower_plan(devices: int = 4, *, cluster: Cluster | None = None, **search: ob
         options=PlanOptions(
             training=Training(global_batch=16),
             search=SearchOptions(**search),  # type: ignore[arg-type]
-            profile=ProfileOptions(repeats=1, warmup=0),
+            profile=ProfileOptions(repeats=1, warmup=0, calibration=calibration),
         ),
         model_file="tower.py",
     )

@@ -1,0 +1,154 @@
+"""The calibration fit: figures a run determines are recovered from a run the cost model
+itself made with known corrections; the rest are left at their defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from models import cpu_cluster, tower_plan
+
+from planner.calibrate import fit, plan_cost_model
+from planner.plan.calibration import calibrated, uncalibrated
+from planner.plan.measured import Interval, Measurement, RankRecord
+from planner.plan.records import Calibration
+from planner.plan.schema import Plan
+
+
+def run_of(plan: Plan, truth: Calibration, steps: int = 4) -> Measurement:
+    """A run of ``plan`` as the cost model with ``truth`` predicts it, recorded as the
+    runtime's recorder records one: DDP's all-reduce inside the last backward, the
+    optimizer timed on its own, the first step warm-up."""
+    devices = {p.device for p in plan.profiles}
+    cm = plan_cost_model(plan, {d: truth for d in devices})
+    tl = cm.predict([s.blocks[0] for s in plan.stages]).timeline
+    m = plan.micro_batches
+    records = []
+    for st in plan.stages:
+        reduce_end = max(
+            (e.end for e in tl.events if e.stage == st.index and e.kind == "reduce"), default=0.0
+        )
+        tail = min(e.start for e in tl.events if e.stage == st.index and e.kind == "tail")
+        opt_ms = cm.time.optimizer_ms(st.index, *st.blocks)
+        for replica, rank in enumerate(st.ranks):
+            ivs: list[Interval] = []
+            for k in range(steps):
+                t0 = k * (tl.step_ms + 5.0)
+
+                def add(kind: str, mb: int, a: float, b: float, t0: float = t0, k: int = k) -> None:
+                    ivs.append(Interval(kind, k, mb, (t0 + a) / 1e3, (t0 + b) / 1e3))  # noqa: B023
+
+                for e in tl.events:
+                    if e.stage != st.index or e.kind not in ("F", "B"):
+                        continue
+                    end = e.end
+                    if e.kind == "B" and e.micro_batch == m - 1:
+                        end = max(end, reduce_end)
+                    add(e.kind, e.micro_batch, e.start, end)
+                add("optimizer", -1, tail, tail + opt_ms)
+                add("step", -1, 0.0, tl.step_ms)
+            records.append(
+                RankRecord(
+                    rank=rank, replica=replica, stage=st.index, device="x", intervals=tuple(ivs)
+                )
+            )
+    return Measurement(
+        records=tuple(records),
+        steps=tuple(range(steps)),
+        counted=tuple(range(1, steps)),
+        global_batch=plan.global_batch,
+    )
+
+
+@pytest.fixture(scope="module")
+def gpu_plan() -> Plan:
+    return tower_plan(4, pp=2, dp=2, micro_batches=4, schedule="1f1b")
+
+
+@pytest.fixture(scope="module")
+def cpu_plan() -> Plan:
+    return tower_plan(cluster=cpu_cluster(2), pp=2, dp=1, micro_batches=4, schedule="gpipe")
+
+
+def test_a_run_made_with_known_corrections_gives_them_back(gpu_plan: Plan) -> None:
+    truth = Calibration(
+        fwd_scale=1.3,
+        bwd_scale=0.8,
+        action_overhead_ms=0.0,
+        optimizer_scale=2.0,
+        allreduce_scale=3.0,
+        p2p_extra_ms=0.02,
+    )
+    got = fit(gpu_plan, run_of(gpu_plan, truth)).calibrations["h100"]
+    assert got.fwd_scale == pytest.approx(1.3, rel=1e-6)
+    assert got.bwd_scale == pytest.approx(0.8, rel=1e-6)
+    assert got.optimizer_scale == pytest.approx(2.0, rel=1e-6)
+    assert got.allreduce_scale == pytest.approx(3.0, rel=1e-6)
+    assert got.p2p_extra_ms == pytest.approx(0.02, abs=1e-6)
+    assert got.action_overhead_ms == pytest.approx(0.0, abs=1e-6)
+    assert got.corun_slowdown is None  # GPUs do not share cores: nothing to fit
+    assert "corun_slowdown" not in got.fitted
+    assert got.after_ms == pytest.approx(got.measured_step_ms, rel=1e-6)
+    assert got.before_ms == gpu_plan.predicted.step_ms
+
+
+def test_the_action_overhead_makes_the_simulated_step_the_measured_one(gpu_plan: Plan) -> None:
+    measured = run_of(gpu_plan, Calibration(action_overhead_ms=0.0))
+    slower = dataclasses.replace(
+        measured,
+        records=tuple(
+            dataclasses.replace(
+                r,
+                intervals=tuple(
+                    dataclasses.replace(iv, end=iv.start + 1.5 * (iv.end - iv.start))
+                    if iv.kind == "step"
+                    else iv
+                    for iv in r.intervals
+                ),
+            )
+            for r in measured.records
+        ),
+    )
+    got = fit(gpu_plan, slower).calibrations["h100"]
+    assert got.action_overhead_ms > 0
+    assert got.measured_step_ms == pytest.approx(1.5 * measured.step_ms)
+    assert got.after_ms == pytest.approx(got.measured_step_ms, rel=1e-6)
+
+
+def test_the_corun_slowdown_of_local_processes_is_fitted(cpu_plan: Plan) -> None:
+    truth = Calibration(fwd_scale=1.1, bwd_scale=1.1, corun_slowdown=1.5, action_overhead_ms=0.0)
+    got = fit(cpu_plan, run_of(cpu_plan, truth)).calibrations["cpu"]
+    assert "corun_slowdown" in got.fitted
+    assert got.corun_slowdown == pytest.approx(1.5, abs=0.1)
+    assert got.fwd_scale == pytest.approx(1.1, rel=0.1)
+    assert got.after_ms == pytest.approx(got.measured_step_ms, rel=1e-6)
+    assert "allreduce_scale" not in got.fitted  # dp 1: no all-reduce to measure
+
+
+def test_a_run_of_another_plan_is_refused(gpu_plan: Plan, cpu_plan: Plan) -> None:
+    with pytest.raises(ValueError, match="not a run of this plan"):
+        fit(gpu_plan, run_of(cpu_plan, Calibration()))
+
+
+def test_a_calibrated_profile_is_the_profile_scaled_and_comes_back(cpu_plan: Plan) -> None:
+    prof = cpu_plan.profiles[0]
+    cal = Calibration(fwd_scale=2.0, bwd_scale=0.5)
+    got = calibrated(prof, cal)
+    assert got.calibration == cal
+    assert got.blocks[0].fwd_ms == pytest.approx(2 * prof.blocks[0].fwd_ms)
+    assert got.loss_bwd_ms == pytest.approx(0.5 * prof.loss_bwd_ms)
+    back = uncalibrated(calibrated(got, Calibration(fwd_scale=3.0)))
+    assert back.calibration is None
+    assert back.blocks[0].fwd_ms == pytest.approx(prof.blocks[0].fwd_ms)
+    assert type(prof).from_dict(got.to_dict()) == got
+
+
+def test_the_cost_model_applies_every_figure(gpu_plan: Plan) -> None:
+    starts = [s.blocks[0] for s in gpu_plan.stages]
+    base = plan_cost_model(gpu_plan).predict(starts)
+    cal = Calibration(action_overhead_ms=1.0, p2p_extra_ms=0.5, allreduce_scale=2.0)
+    got = plan_cost_model(gpu_plan, {"h100": cal}).predict(starts)
+    s0, b0 = got.stages[0], base.stages[0]
+    assert s0.fwd_ms == pytest.approx(b0.fwd_ms - 0.05 + 1.0)  # nccl's default overhead
+    assert s0.send_fwd_ms == pytest.approx(b0.send_fwd_ms + 0.5)
+    assert got.step_ms > base.step_ms
