@@ -49,6 +49,9 @@ SECTIONS: dict[str, Section] = {
     ),
     "runtime": Section(("bench.bench_runtime",), 300, "runtime overhead and efficiency"),
     "accuracy": Section(("bench.bench_accuracy",), 420, "predicted against measured"),
+    "calibration": Section(
+        ("bench.bench_calibration",), 900, "predicted against measured, calibrated, on the zoo"
+    ),
     "soak": Section(("bench.soak",), 90, "long runs, restarts"),
     "published": Section(
         ("bench.bench_published",), 120, "published peers' figures beside the planner's"

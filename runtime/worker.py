@@ -123,7 +123,7 @@ def _train(opts: RunOptions) -> int:
             start = load(pm, path, reshard=opts.reshard)
             _say(lead, f"resumed from {path} (step {start})")
     _say(lead, f"training {opts.model_file}: {plan_summary(plan)}; steps {start + 1}..{opts.steps}")
-    recorder = Recorder(pm, warmup_steps=opts.warmup_steps, first_step=start)
+    recorder = Recorder(pm, warmup_steps=opts.warmup_steps, first_step=start, memory=opts.memory)
     _loop(pm, feed, plan, opts, start, lead)
     trained = opts.steps > start
     every = opts.checkpoint_every

@@ -1,0 +1,222 @@
+"""Cost-model accuracy, uncalibrated and calibrated, through the product's own commands:
+python -m bench calibration [--quick] [--models a,b] [--launches N]
+
+For each model (the bundled examples, and models of the zoo from transformers,
+torchvision and timm: ``tests/zoo``) and each layout (pp, dp, m) of ``CONFIGS``
+on local CPU processes (gloo):
+
+1. ``planner plan MODEL --gpus pp·dp --pp --dp --micro-batches m
+   --no-calibration``: the plan and its predicted step and per-stage memory
+   (a fresh profile cache per model, so nothing calibrated leaks in);
+2. ``LAUNCHES`` launches of ``planner run --no-memory --measurements F``: each
+   launch's step is the median over its counted steps (the slowest rank's); the
+   case's measured step is the median over the launches;
+3. one more launch with memory tracked: each stage's peak (the most of its
+   replicas; CPU: the peak of live tensor bytes) against the plan's.
+
+**Calibration** (``planner calibrate``'s fit, ``planner.calibrate.fit``) is
+fitted on the first launch of ``FIT`` (pp 2, dp 1, m 4) alone; every case's
+plan is then priced again with it (the same placement:
+``plan_cost_model(plan, calibration).step_ms``), and compared with the launches
+the fit did not see (for the ``FIT`` case, launches 2…N). So the calibrated
+figures are held-out predictions: other layouts, other launches.
+
+Error = (predicted − measured) / measured. The summary: median |error| and
+the worst, uncalibrated and calibrated (time), and memory, over every case.
+The load average before the run and each launch's are recorded. Writes
+bench/results/calibration.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench._common import table, write_json
+from planner.plan.text import ERROR_CONVENTION, rel_error
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "results" / "calibration.json"
+
+# path, knobs (env), global batch (a multiple of dp · m = 8)
+MODELS: dict[str, tuple[str, dict[str, str], int]] = {
+    "mlp": ("examples/mlp.py", {"MLP_SCALE": "2"}, 256),
+    "gpt": ("examples/gpt.py", {"GPT_LAYERS": "4", "GPT_SEQ": "64", "GPT_VOCAB": "8192"}, 8),
+    "resnet": ("examples/resnet.py", {"RESNET_WIDTH": "16"}, 16),
+    "unet": ("examples/unet.py", {}, 8),
+    "hf_bert": ("tests/zoo/hf_bert.py", {}, 16),
+    "hf_llama": ("tests/zoo/hf_llama.py", {}, 16),
+    "tv_mobilenetv3": ("tests/zoo/tv_mobilenetv3.py", {}, 16),
+    "timm_vit": ("tests/zoo/timm_vit.py", {}, 16),
+}
+QUICK_MODELS = ["mlp", "gpt", "hf_bert", "tv_mobilenetv3"]
+CONFIGS = [(1, 1, 1), (2, 1, 4), (1, 2, 1), (2, 2, 4)]
+FIT = (2, 1, 4)
+STEPS = 8  # per launch, the first one warm-up
+RUN_TIMEOUT_S = 600
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def _planner(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "150", **env}
+    return subprocess.run(
+        [sys.executable, "-m", "planner", *args],
+        cwd=cwd,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+
+
+def _checked(proc: subprocess.CompletedProcess, what: str) -> None:
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
+def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict[str, Any]:
+    """Plan one case, run it ``launches`` times plus once with memory tracked."""
+    from planner.plan.files import load_plan
+    from planner.plan.measured import load_measurement
+
+    path, env, batch = MODELS[name]
+    env = {**env, "PLANNER_CACHE_DIR": str(tmp / f"cache-{name}")}
+    plan_file = tmp / f"{name}-{pp}-{dp}-{m}.yaml"
+    t0 = time.perf_counter()
+    cmd = ["plan", str(ROOT / path), "--gpus", str(pp * dp), "--pp", str(pp), "--dp", str(dp)]
+    cmd += ["--micro-batches", str(m), "--batch-size", str(batch), "--no-calibration"]
+    _checked(_planner([*cmd, "--out", str(plan_file)], env, tmp), f"planning {name}")
+    plan_s = time.perf_counter() - t0
+    runs = []
+    for k in range(launches + 1):
+        memory = k == launches
+        meas = tmp / f"{plan_file.stem}-{k}.json"
+        args = ["run", str(ROOT / path), "--plan", str(plan_file), "--steps", str(STEPS)]
+        args += ["--measurements", str(meas)] + ([] if memory else ["--no-memory"])
+        load = _load()
+        _checked(_planner(args, env, tmp), f"running {plan_file.name}")
+        result = load_measurement(meas)
+        runs.append({"file": str(meas), "load": load, "memory": memory, "step_ms": result.step_ms})
+    plan = load_plan(plan_file)
+    return {
+        "model": name,
+        "pp": pp,
+        "dp": dp,
+        "m": m,
+        "plan": str(plan_file),
+        "plan_s": plan_s,
+        "predicted_ms": plan.predicted.step_ms,
+        "runs": runs,
+    }
+
+
+def _figures(case: dict[str, Any], cals: dict[str, Any], fit_file: str) -> dict[str, Any]:
+    """The case's errors: uncalibrated, calibrated (held out), memory per stage."""
+    from planner.calibrate import plan_cost_model
+    from planner.plan.files import load_plan
+    from planner.plan.measured import load_measurement
+
+    plan = load_plan(case["plan"])
+    timed = [r for r in case["runs"] if not r["memory"]]
+    measured = statistics.median(r["step_ms"] for r in timed)
+    held = [r["step_ms"] for r in timed if r["file"] != fit_file]
+    starts = [s.blocks[0] for s in plan.stages]
+    calibrated = plan_cost_model(plan, cals).step_ms(starts)
+    mem_run = load_measurement(next(r["file"] for r in case["runs"] if r["memory"]))
+    memory = []
+    for st in plan.stages:
+        peak = mem_run.stage_figures(st.index)["peak_bytes"]
+        memory.append(rel_error(st.memory.total, peak))
+    return {
+        **case,
+        "measured_ms": measured,
+        "launch_ms": [r["step_ms"] for r in timed],
+        "error": rel_error(case["predicted_ms"], measured),
+        "calibrated_ms": calibrated,
+        "calibrated_error": rel_error(calibrated, statistics.median(held)),
+        "held_out_launches": len(held),
+        "memory_error": memory,
+    }
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    a = [abs(x) for x in xs if x == x]
+    worst = max(xs, key=abs) if xs else float("nan")
+    return {"median_abs": statistics.median(a) if a else float("nan"), "worst": worst, "n": len(a)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=f"models {', '.join(QUICK_MODELS)}")
+    ap.add_argument("--models", default=None, help="comma-separated names of MODELS")
+    ap.add_argument("--launches", type=int, default=3, help="timed launches per case")
+    ns = ap.parse_args(argv)
+    names = ns.models.split(",") if ns.models else (QUICK_MODELS if ns.quick else list(MODELS))
+    from planner.calibrate import fit
+    from planner.plan.files import load_plan
+    from planner.plan.measured import load_measurement
+
+    started, load0 = time.perf_counter(), _load()
+    rows, cases = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-calibration-") as tmp:
+        for name in names:
+            done = {c: _case(name, *c, ns.launches, Path(tmp)) for c in CONFIGS}
+            fitted = done[FIT]
+            fit_file = fitted["runs"][0]["file"]
+            cals = fit(load_plan(fitted["plan"]), load_measurement(fit_file)).calibrations
+            for c in CONFIGS:
+                got = _figures(done[c], cals, fit_file)
+                got["calibration"] = {k: v.to_dict() for k, v in cals.items()}
+                cases.append(got)
+                rows.append(
+                    [
+                        name,
+                        f"{c[0]}×{c[1]} m{c[2]}",
+                        f"{got['predicted_ms']:.1f}",
+                        f"{got['calibrated_ms']:.1f}",
+                        f"{got['measured_ms']:.1f}",
+                        f"{got['error']:+.1%}",
+                        f"{got['calibrated_error']:+.1%}",
+                        " ".join(f"{e:+.1%}" for e in got["memory_error"]),
+                    ]
+                )
+    table(
+        "predicted vs measured step (ms), uncalibrated and calibrated; memory per stage",
+        ["model", "pp×dp m", "pred", "calibrated", "measured", "err", "cal err", "mem err"],
+        rows,
+    )
+    summary = {
+        "time_uncalibrated": _stats([c["error"] for c in cases]),
+        "time_calibrated": _stats([c["calibrated_error"] for c in cases]),
+        "memory": _stats([e for c in cases for e in c["memory_error"]]),
+    }
+    for k, v in summary.items():
+        print(f"{k}: median |error| {v['median_abs']:.1%}, worst {v['worst']:+.1%} ({v['n']})")
+    print(ERROR_CONVENTION)
+    data = {
+        "command": "python -m bench calibration " + " ".join(argv or sys.argv[1:]),
+        "load_before": load0,
+        "wall_s": time.perf_counter() - started,
+        "launches": ns.launches,
+        "steps": STEPS,
+        "fit_layout": FIT,
+        "summary": summary,
+        "cases": cases,
+    }
+    print(f"written to {write_json(OUT, json.loads(json.dumps(data, default=str)))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
