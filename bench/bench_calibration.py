@@ -15,10 +15,11 @@ on local CPU processes (gloo):
    replicas; CPU: the peak of live tensor bytes) against the plan's.
 
 **Calibration** (``planner calibrate``'s fit, ``planner.calibrate.fit``) is
-fitted on the first launch of ``FIT`` (pp 2, dp 1, m 4) alone; every case's
+fitted on the first ``FIT_LAUNCHES`` launches of ``FIT`` (pp 2, dp 1, m 4),
+joined, as ``planner calibrate --launches 2`` does; every case's
 plan is then priced again with it (the same placement:
 ``plan_cost_model(plan, calibration).step_ms``), and compared with the launches
-the fit did not see (for the ``FIT`` case, launches 2…N). So the calibrated
+the fit did not see (for the ``FIT`` case, launches 3…N). So the calibrated
 figures are held-out predictions: other layouts, other launches.
 
 Error = (predicted − measured) / measured. The summary: median |error| and
@@ -60,6 +61,7 @@ MODELS: dict[str, tuple[str, dict[str, str], int]] = {
 QUICK_MODELS = ["mlp", "gpt", "hf_bert", "tv_mobilenetv3"]
 CONFIGS = [(1, 1, 1), (2, 1, 4), (1, 2, 1), (2, 2, 4)]
 FIT = (2, 1, 4)
+FIT_LAUNCHES = 2
 STEPS = 8  # per launch, the first one warm-up
 RUN_TIMEOUT_S = 600
 
@@ -121,7 +123,7 @@ def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict
     }
 
 
-def _figures(case: dict[str, Any], cals: dict[str, Any], fit_file: str) -> dict[str, Any]:
+def _figures(case: dict[str, Any], cals: dict[str, Any], fit_files: list[str]) -> dict[str, Any]:
     """The case's errors: uncalibrated, calibrated (held out), memory per stage."""
     from planner.calibrate import plan_cost_model
     from planner.plan.files import load_plan
@@ -130,7 +132,7 @@ def _figures(case: dict[str, Any], cals: dict[str, Any], fit_file: str) -> dict[
     plan = load_plan(case["plan"])
     timed = [r for r in case["runs"] if not r["memory"]]
     measured = statistics.median(r["step_ms"] for r in timed)
-    held = [r["step_ms"] for r in timed if r["file"] != fit_file]
+    held = [r["step_ms"] for r in timed if r["file"] not in fit_files]
     starts = [s.blocks[0] for s in plan.stages]
     calibrated = plan_cost_model(plan, cals).step_ms(starts)
     mem_run = load_measurement(next(r["file"] for r in case["runs"] if r["memory"]))
@@ -160,12 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"models {', '.join(QUICK_MODELS)}")
     ap.add_argument("--models", default=None, help="comma-separated names of MODELS")
-    ap.add_argument("--launches", type=int, default=3, help="timed launches per case")
+    ap.add_argument("--launches", type=int, default=3, help="timed launches per case (≥ 3)")
     ns = ap.parse_args(argv)
     names = ns.models.split(",") if ns.models else (QUICK_MODELS if ns.quick else list(MODELS))
     from planner.calibrate import fit
     from planner.plan.files import load_plan
-    from planner.plan.measured import load_measurement
+    from planner.plan.measured import joined, load_measurement
 
     started, load0 = time.perf_counter(), _load()
     rows, cases = [], []
@@ -173,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             done = {c: _case(name, *c, ns.launches, Path(tmp)) for c in CONFIGS}
             fitted = done[FIT]
-            fit_file = fitted["runs"][0]["file"]
-            cals = fit(load_plan(fitted["plan"]), load_measurement(fit_file)).calibrations
+            fit_files = [r["file"] for r in fitted["runs"][:FIT_LAUNCHES]]
+            runs = joined([load_measurement(f) for f in fit_files])
+            cals = fit(load_plan(fitted["plan"]), runs).calibrations
             for c in CONFIGS:
-                got = _figures(done[c], cals, fit_file)
+                got = _figures(done[c], cals, fit_files)
                 got["calibration"] = {k: v.to_dict() for k, v in cals.items()}
                 cases.append(got)
                 rows.append(

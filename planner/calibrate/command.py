@@ -6,7 +6,8 @@ Example::
     planner calibrate examples/gpt.py --plan plan.yaml --check
 
 1. the plan trains ``--steps`` steps on this machine (``planner run``, with
-   its measurements saved);
+   its measurements saved and no memory tracking), ``--launches`` times (their
+   counted steps joined: one launch can be slowed by the machine's other work);
 2. :func:`~planner.calibrate.fit.fit` fits a calibration per device type;
 3. it is stored with the profile cache, keyed by the model's fingerprint, the
    device type and the precision, where every later ``planner plan`` of the
@@ -37,7 +38,7 @@ from planner.calibrate.fit import Fit, fit
 from planner.calibrate.text import summary
 from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
 from planner.plan.files import load_plan, save_plan
-from planner.plan.measured import load_measurement
+from planner.plan.measured import joined, load_measurement
 from planner.plan.schema import Plan
 
 __all__ = ["Calibrated", "RunPlan", "add_calibrate_parser", "calibrate"]
@@ -66,6 +67,7 @@ def calibrate(
     run: RunPlan,
     *,
     steps: int = 8,
+    launches: int = 2,
     out: str | None = None,
     check: bool = False,
     cluster: Any = None,
@@ -82,8 +84,15 @@ def calibrate(
     plan = load_plan(plan_file)
     if steps < 2:
         raise ValueError(f"--steps must be ≥ 2 (one is warm-up, not counted), got {steps}")
+    if launches < 1:
+        raise ValueError(f"--launches must be ≥ 1, got {launches}")
     with tempfile.TemporaryDirectory(prefix="planner-calibrate-") as tmp:
-        result = load_measurement(_run(run, model_file, plan_file, steps, tmp))
+        result = joined(
+            [
+                load_measurement(_run(run, model_file, plan_file, steps, f"{tmp}/{k}.json"))
+                for k in range(launches)
+            ]
+        )
     fitted = fit(plan, result)
     stored = []
     for device, cal in fitted.calibrations.items():
@@ -99,12 +108,11 @@ def calibrate(
     checked = None
     if check:
         with tempfile.TemporaryDirectory(prefix="planner-calibrate-") as tmp:
-            checked = load_measurement(_run(run, model_file, out, steps, tmp)).step_ms
+            checked = load_measurement(_run(run, model_file, out, steps, f"{tmp}/c.json")).step_ms
     return Calibrated(plan, result.step_ms, fitted, stored, new, out, checked)
 
 
-def _run(run: RunPlan, model_file: str, plan_file: str, steps: int, tmp: str) -> str:
-    path = str(Path(tmp) / "measurements.json")
+def _run(run: RunPlan, model_file: str, plan_file: str, steps: int, path: str) -> str:
     rc = run(model_file, plan_file, steps, path)
     if rc != 0 or not Path(path).is_file():
         raise ValueError(
@@ -133,7 +141,14 @@ def add_calibrate_parser(sub: Any, run: RunPlan) -> None:
     )
     p.add_argument("model_file", help="a model.py defining build_model() and sample_batch(n)")
     p.add_argument("--plan", required=True, help="the plan to run (`planner plan ... --out`)")
-    p.add_argument("--steps", type=int, default=8, help="steps to run, the first not counted")
+    p.add_argument("--steps", type=int, default=8, help="steps per run, the first not counted")
+    p.add_argument(
+        "--launches",
+        type=int,
+        default=2,
+        help="runs of the plan to fit on (their counted steps together: one launch can be "
+        "slowed by the machine's other work)",
+    )
     p.add_argument(
         "--out", default=None, help="the new plan (default: the plan's name + .calibrated.yaml)"
     )
@@ -157,6 +172,7 @@ def add_calibrate_parser(sub: Any, run: RunPlan) -> None:
             ns.plan,
             run,
             steps=ns.steps,
+            launches=ns.launches,
             out=ns.out,
             check=ns.check,
             cluster=cluster,

@@ -14,13 +14,21 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from planner.plan.codec import Record
 from planner.plan.files import atomic_write
 
-__all__ = ["Interval", "Measurement", "RankRecord", "load_measurement", "save_measurement"]
+__all__ = [
+    "Interval",
+    "Measurement",
+    "RankRecord",
+    "joined",
+    "load_measurement",
+    "save_measurement",
+]
 
 _FORMAT = 1
 
@@ -116,6 +124,59 @@ class Measurement(Record):
     def samples_per_s(self) -> float:
         ms = self.step_ms
         return self.global_batch / (ms / 1e3) if ms > 0 else float("nan")
+
+
+def joined(runs: Sequence[Measurement]) -> Measurement:
+    """Several runs of one plan as one: each run's steps and clock moved past the one
+    before's, so that medians are over every run's counted steps and no interval of one
+    run meets another's.
+
+    Raises:
+        ValueError: the runs are of different ranks or batches.
+    """
+    if not runs:
+        raise ValueError("no runs to join")
+    first = runs[0]
+    shape = [(r.rank, r.replica, r.stage) for r in first.records]
+    step_gap = 1 + max((s for run in runs for s in run.steps), default=0)
+    time_gap = 1.0 + max(
+        (iv.end for run in runs for r in run.records for iv in r.intervals), default=0.0
+    )
+    records: dict[int, list[Interval]] = {r.rank: [] for r in first.records}
+    steps: list[int] = []
+    counted: list[int] = []
+    for k, run in enumerate(runs):
+        if [(r.rank, r.replica, r.stage) for r in run.records] != shape or (
+            run.global_batch != first.global_batch
+        ):
+            raise ValueError(f"run {k + 1} is not of the same plan as run 1 (ranks or batch)")
+        for r in run.records:
+            records[r.rank] += [
+                Interval(
+                    iv.kind,
+                    iv.step + k * step_gap,
+                    iv.micro_batch,
+                    iv.start + k * time_gap,
+                    iv.end + k * time_gap,
+                )
+                for iv in r.intervals
+            ]
+        steps += [s + k * step_gap for s in run.steps]
+        counted += [s + k * step_gap for s in run.counted]
+    return Measurement(
+        records=tuple(
+            replace(r, intervals=tuple(records[r.rank]), peak_bytes=_peak(runs, r.rank))
+            for r in first.records
+        ),
+        steps=tuple(steps),
+        counted=tuple(counted),
+        global_batch=first.global_batch,
+    )
+
+
+def _peak(runs: Sequence[Measurement], rank: int) -> float:
+    got = [x.peak_bytes for run in runs for x in run.records if x.rank == rank]
+    return max((x for x in got if x == x), default=float("nan"))
 
 
 def median(xs: list[float]) -> float:

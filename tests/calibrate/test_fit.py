@@ -10,7 +10,7 @@ from models import cpu_cluster, tower_plan
 
 from planner.calibrate import fit, plan_cost_model
 from planner.plan.calibration import calibrated, uncalibrated
-from planner.plan.measured import Interval, Measurement, RankRecord
+from planner.plan.measured import Interval, Measurement, RankRecord, joined
 from planner.plan.records import Calibration
 from planner.plan.schema import Plan
 
@@ -152,3 +152,16 @@ def test_the_cost_model_applies_every_figure(gpu_plan: Plan) -> None:
     assert s0.fwd_ms == pytest.approx(b0.fwd_ms - 0.05 + 1.0)  # nccl's default overhead
     assert s0.send_fwd_ms == pytest.approx(b0.send_fwd_ms + 0.5)
     assert got.step_ms > base.step_ms
+
+
+def test_runs_joined_are_fitted_as_one(cpu_plan: Plan) -> None:
+    truth = Calibration(fwd_scale=1.1, bwd_scale=1.1, corun_slowdown=1.5, action_overhead_ms=0.0)
+    one = run_of(cpu_plan, truth, steps=3)
+    two = joined([one, one])
+    assert len(two.counted) == 2 * len(one.counted)
+    assert len(set(two.steps)) == len(two.steps)
+    assert two.step_ms == pytest.approx(one.step_ms)
+    got = fit(cpu_plan, two).calibrations["cpu"]
+    assert got.corun_slowdown == pytest.approx(1.5, abs=0.1)  # no false overlaps across runs
+    with pytest.raises(ValueError, match="not of the same plan"):
+        joined([one, dataclasses.replace(one, global_batch=one.global_batch + 1)])
