@@ -38,7 +38,7 @@ from planner.calibrate.fit import Fit, fit
 from planner.calibrate.text import summary
 from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
 from planner.plan.files import load_plan, save_plan
-from planner.plan.measured import joined, load_measurement
+from planner.plan.measured import Measurement, joined, load_measurement
 from planner.plan.schema import Plan
 
 __all__ = ["Calibrated", "RunPlan", "add_calibrate_parser", "calibrate"]
@@ -53,7 +53,7 @@ class Calibrated:
     """What ``planner calibrate`` did: the plan as run, its run, the fit, the new plan."""
 
     plan: Plan
-    measured_step_ms: float
+    result: Measurement
     fit: Fit
     stored: list[str]
     new_plan: Plan
@@ -109,7 +109,7 @@ def calibrate(
     if check:
         with tempfile.TemporaryDirectory(prefix="planner-calibrate-") as tmp:
             checked = load_measurement(_run(run, model_file, out, steps, f"{tmp}/c.json")).step_ms
-    return Calibrated(plan, result.step_ms, fitted, stored, new, out, checked)
+    return Calibrated(plan, result, fitted, stored, new, out, checked)
 
 
 def _run(run: RunPlan, model_file: str, plan_file: str, steps: int, path: str) -> str:
@@ -178,7 +178,7 @@ def add_calibrate_parser(sub: Any, run: RunPlan) -> None:
             cluster=cluster,
         )
         d = done
-        print(summary(d.plan, d.measured_step_ms, d.fit, d.new_plan, d.checked_step_ms))
+        print(summary(d.plan, d.result, d.fit, d.new_plan, d.checked_step_ms))
         for path in done.stored:
             print(f"calibration stored in {path}")
         print(f"new plan written to {done.new_plan_path} (planner show {done.new_plan_path})")

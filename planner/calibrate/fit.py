@@ -6,16 +6,18 @@ steps and steps, on clocks aligned across ranks) against the same plan priced
 by the cost model from the profiles the plan carries, uncalibrated:
 
 1. **compute, per device type, and the co-run slow-down**: each forward and
-   backward action's measured time ÷ its blocks' profiled time (the loss on
-   the last stage) is modelled as ``scale × g(x)``, where x is the share of the
-   action during which another rank computed too (from the aligned intervals)
-   and g the cost model's own slow-down of a computing process, from alone
-   (x = 0) to every stage computing (x = 1) ([Note: shared cores]). For each
-   co-run slow-down c on a grid the scales are the medians of measured ÷
-   g; the c kept is the one whose fit is best (least squared log error), and
-   is reported fitted only when the run has actions both mostly alone and
-   mostly overlapped and the fit is clearly better than at the default.
-   DDP's all-reduce inside each stage's last backward (dp > 1) is left out.
+   backward action's measured time ÷ g(x) is modelled as ``scale × profiled +
+   fixed`` (profiled: its blocks' time, the loss on the last stage), where x
+   is the share of the action during which another rank computed too (from the
+   aligned intervals) and g the cost model's own slow-down of a computing
+   process, from alone (x = 0) to every stage computing (x = 1) ([Note: shared
+   cores]); a straight line through each stage's median forward and backward
+   ([Note: a scale and a fixed cost per action]). For each co-run slow-down c
+   on a grid the line is fitted; the c kept is the one whose fit is best
+   (least squared log error), and is reported fitted only when the run has
+   actions both mostly alone and mostly overlapped and the fit is clearly
+   better than at the default. DDP's all-reduce inside each stage's last
+   backward (dp > 1) is left out.
 2. **the optimizer step**: Σ over stages of the measured step ÷ Σ predicted.
 3. **the all-reduce** (dp > 1, m > 1): the last backward's excess over the
    other backwards, per stage, Σ measured ÷ Σ predicted ``reduce_ms``.
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from planner.cost.basis import Layout
@@ -119,9 +121,9 @@ def fit(plan: Plan, result: Measurement) -> Fit:
         for t in types
     }
     counted = set(result.counted)
-    opt = _optimizer(plan, plan_cost_model(plan, cals), result, counted)
-    red = _allreduce(plan, plan_cost_model(plan, cals), result, counted)
     cm = plan_cost_model(plan, cals)
+    opt = _optimizer(plan, cm, result, counted)
+    red = _allreduce(plan, cm, result, counted)
     extra, hops = _p2p(plan, cm, result, counted)
     figures: dict[str, float] = {}
     if opt is not None:
@@ -179,7 +181,8 @@ class _Action:
     stage: int
     device: str
     kind: str  # "F" (with the loss on the last stage) or "B"
-    ratio: float  # measured ÷ profiled
+    ms: float  # measured
+    profiled: float  # its blocks' profiled time
     overlap: float  # share of it with another rank computing
 
 
@@ -214,7 +217,8 @@ def _actions(plan: Plan, raw: CostModel, result: Measurement) -> list[_Action]:
             if ms <= 0 or profiled[kind] <= 0:
                 continue
             shared = sum(_overlap_s(iv, others) for iv in ivs) * 1e3
-            out.append(_Action(rec.stage, dev, kind, ms / profiled[kind], min(1.0, shared / ms)))
+            p = profiled[kind]
+            out.append(_Action(rec.stage, dev, kind, ms, p, min(1.0, shared / ms)))
     return out
 
 
@@ -257,21 +261,50 @@ def _compute(
 def _scales_at(
     plan: Plan, actions: list[_Action], types: list[str], corun: float
 ) -> tuple[float, dict[str, tuple[float, float]]]:
-    """At co-run slow-down ``corun``: the squared log error of the best scales, and them."""
+    """At co-run slow-down ``corun``: the squared log error of the best compute scale per
+    device type, and the scales ([Note: a scale and a fixed cost per action])."""
     cm = plan_cost_model(plan, {t: Calibration(corun_slowdown=corun) for t in types})
     alone, busy = 1.0 / cm.time.speeds[0], 1.0 / cm.time.speeds[-1]
 
     def g(a: _Action) -> float:
         return (1 - a.overlap) * alone + a.overlap * busy
 
-    scales = {}
-    for t in types:
-        f = [a.ratio / g(a) for a in actions if a.device == t and a.kind == "F"]
-        b = [a.ratio / g(a) for a in actions if a.device == t and a.kind == "B"]
-        fs = statistics.median(f) if f else 1.0
-        scales[t] = (fs, statistics.median(b) if b else fs)
-    err = sum(math.log(a.ratio / (scales[a.device][a.kind == "B"] * g(a))) ** 2 for a in actions)
-    return err, scales
+    lines = {t: _line([a for a in actions if a.device == t], g) for t in types}
+    err = 0.0
+    for a in actions:
+        slope, fixed = lines[a.device]
+        err += math.log(a.ms / (g(a) * (slope * a.profiled + fixed))) ** 2
+    return err, {t: (slope, slope) for t, (slope, _) in lines.items()}
+
+
+def _line(actions: list[_Action], g: Callable[[_Action], float]) -> tuple[float, float]:
+    """(scale, fixed ms) of measured ÷ g = scale × profiled + fixed, least squares over the
+    median of each stage's forwards and backwards; fixed ≥ 0.
+
+    [Note: a scale and a fixed cost per action] A runtime action costs more than
+    its blocks' profiled time by a part that grows with it (the profile's own error)
+    and a part that does not (the pipeline's bookkeeping inside the action): fitted
+    as one ratio, the fixed part would be scaled up with every larger micro-batch and
+    every longer stage. The fixed part is not kept here: the action overhead, fitted
+    last to the step, carries every fixed cost per action.
+    """
+    groups: dict[tuple[int, str], list[_Action]] = {}
+    for a in actions:
+        groups.setdefault((a.stage, a.kind), []).append(a)
+    pts = [
+        (statistics.median(a.profiled for a in acts), statistics.median(a.ms / g(a) for a in acts))
+        for acts in groups.values()
+    ]
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if sxx > 0:
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+        fixed = my - slope * mx
+        if slope > 0 and fixed >= 0:
+            return slope, fixed
+    through_origin = sum(x * y for x, y in pts) / max(sum(x * x for x, _ in pts), 1e-12)
+    return through_origin, 0.0
 
 
 # --------------------------------------------------------------------------- the rest

@@ -6,9 +6,10 @@ from __future__ import annotations
 import shutil
 import sys
 
-from planner.calibrate.fit import Fit
+from planner.calibrate.fit import Fit, plan_cost_model
 from planner.cost.stage_time import ACTION_OVERHEAD_MS, CPU_CORUN_SLOWDOWN
 from planner.plan.fold import output_width, wrap
+from planner.plan.measured import Measurement
 from planner.plan.records import Calibration
 from planner.plan.schema import Plan
 from planner.plan.text import ERROR_CONVENTION, fmt_error
@@ -30,9 +31,10 @@ def layout_line(plan: Plan) -> str:
 
 
 def summary(
-    plan: Plan, measured_ms: float, fitted: Fit, new: Plan, checked_ms: float | None
+    plan: Plan, result: Measurement, fitted: Fit, new: Plan, checked_ms: float | None
 ) -> str:
     """The report (see the module docstring)."""
+    measured_ms = result.step_ms
     cals = fitted.calibrations
     any_cal = next(iter(cals.values()))
     before = plan.profiles[0].calibration if plan.profiles else None
@@ -50,6 +52,7 @@ def summary(
         f"({fmt_error(plan.predicted.step_ms, measured_ms, 1)}), after {after:.1f} ms "
         f"({fmt_error(after, measured_ms, 1)}, fitted to this run); "
         f"measured {measured_ms:.1f} ms",
+        *_stages(plan, result, cals),
         f"planned again with the calibration: {layout_line(new)}, "
         f"predicted {new.predicted.step_ms:.1f} ms",
         f"  {_changed(plan, new)}",
@@ -66,6 +69,22 @@ def summary(
         for line in lines
         for k, piece in enumerate(wrap(line, width - 4))
     )
+
+
+def _stages(plan: Plan, result: Measurement, cals: dict[str, Calibration]) -> list[str]:
+    """Per stage, ms per micro-batch: forward and backward, predicted before → after |
+    measured (DDP's last backward, which holds the all-reduce, left out: dp > 1)."""
+    after = plan_cost_model(plan, cals).predict([s.blocks[0] for s in plan.stages])
+    skip = plan.micro_batches if plan.dp > 1 and plan.micro_batches > 1 else None
+    out = []
+    for st, new in zip(plan.stages, after.stages, strict=True):
+        got = result.stage_figures(st.index, skip_last_backward=skip)
+        out.append(
+            f"  stage {st.index}, ms per micro-batch (before → after | measured): "
+            f"forward {st.fwd_ms:.2f} → {new.fwd_ms:.2f} | {got['fwd_ms']:.2f}, "
+            f"backward {st.bwd_ms:.2f} → {new.bwd_ms:.2f} | {got['bwd_ms']:.2f}"
+        )
+    return out
 
 
 def _figures(before: Calibration | None, cals: dict[str, Calibration], backend: str) -> list[str]:

@@ -9,10 +9,12 @@ import pytest
 from models import cpu_cluster, tower_plan
 
 from planner.calibrate import fit, plan_cost_model
+from planner.calibrate.text import summary
 from planner.plan.calibration import calibrated, uncalibrated
 from planner.plan.measured import Interval, Measurement, RankRecord, joined
 from planner.plan.records import Calibration
 from planner.plan.schema import Plan
+from planner.plan.text import ERROR_CONVENTION, fmt_error
 
 
 def run_of(plan: Plan, truth: Calibration, steps: int = 4) -> Measurement:
@@ -73,19 +75,19 @@ def cpu_plan() -> Plan:
 def test_a_run_made_with_known_corrections_gives_them_back(gpu_plan: Plan) -> None:
     truth = Calibration(
         fwd_scale=1.3,
-        bwd_scale=0.8,
-        action_overhead_ms=0.0,
+        bwd_scale=1.3,
+        action_overhead_ms=0.4,
         optimizer_scale=2.0,
         allreduce_scale=3.0,
         p2p_extra_ms=0.02,
     )
     got = fit(gpu_plan, run_of(gpu_plan, truth)).calibrations["h100"]
     assert got.fwd_scale == pytest.approx(1.3, rel=1e-6)
-    assert got.bwd_scale == pytest.approx(0.8, rel=1e-6)
+    assert got.bwd_scale == pytest.approx(1.3, rel=1e-6)
     assert got.optimizer_scale == pytest.approx(2.0, rel=1e-6)
     assert got.allreduce_scale == pytest.approx(3.0, rel=1e-6)
     assert got.p2p_extra_ms == pytest.approx(0.02, abs=1e-6)
-    assert got.action_overhead_ms == pytest.approx(0.0, abs=1e-6)
+    assert got.action_overhead_ms == pytest.approx(0.4, rel=1e-6)
     assert got.corun_slowdown is None  # GPUs do not share cores: nothing to fit
     assert "corun_slowdown" not in got.fitted
     assert got.after_ms == pytest.approx(got.measured_step_ms, rel=1e-6)
@@ -165,3 +167,17 @@ def test_runs_joined_are_fitted_as_one(cpu_plan: Plan) -> None:
     assert got.corun_slowdown == pytest.approx(1.5, abs=0.1)  # no false overlaps across runs
     with pytest.raises(ValueError, match="not of the same plan"):
         joined([one, dataclasses.replace(one, global_batch=one.global_batch + 1)])
+
+
+def test_the_report_gives_before_after_and_measured(gpu_plan: Plan) -> None:
+    run = run_of(gpu_plan, Calibration(fwd_scale=1.3, bwd_scale=1.3, action_overhead_ms=0.0))
+    got = fit(gpu_plan, run)
+    text = summary(gpu_plan, run, got, gpu_plan, checked_ms=run.step_ms)
+    assert "calibration from a run of pp 2 × dp 2, m 4" in text
+    assert "forward, h100" in text and "× 1.30" in text
+    assert "co-run slow-down" in text and "kept: this run cannot tell" in text
+    assert text.count("ms per micro-batch (before → after | measured)") == 2
+    assert "the plan is the same" in text
+    check = fmt_error(gpu_plan.predicted.step_ms, run.step_ms, 1)  # the new plan's prediction
+    assert "measured (--check" in text and f"error {check}" in text
+    assert text.splitlines()[-1] == ERROR_CONVENTION
