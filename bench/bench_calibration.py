@@ -16,7 +16,9 @@ on local CPU processes (gloo):
 
 **Calibration** (``planner calibrate``'s fit, ``planner.calibrate.fit``) is
 fitted on the first ``FIT_LAUNCHES`` launches of ``FIT`` (pp 2, dp 1, m 4),
-joined, as ``planner calibrate --launches 2`` does; every case's
+joined, as ``planner calibrate --launches 2`` does; every case whose processes
+have the fit's thread count (as planning applies a stored calibration; the
+others, marked *, keep the uncalibrated figure) has its
 plan is then priced again with it (the same placement:
 ``plan_cost_model(plan, calibration).step_ms``), and compared with the launches
 the fit did not see (for the ``FIT`` case, launches 3…N). So the calibrated
@@ -123,7 +125,9 @@ def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict
     }
 
 
-def _figures(case: dict[str, Any], cals: dict[str, Any], fit_files: list[str]) -> dict[str, Any]:
+def _figures(
+    case: dict[str, Any], cals: dict[str, Any], fit_files: list[str], fit_threads: int
+) -> dict[str, Any]:
     """The case's errors: uncalibrated, calibrated (held out), memory per stage."""
     from planner.calibrate import plan_cost_model
     from planner.plan.files import load_plan
@@ -134,7 +138,9 @@ def _figures(case: dict[str, Any], cals: dict[str, Any], fit_files: list[str]) -
     measured = statistics.median(r["step_ms"] for r in timed)
     held = [r["step_ms"] for r in timed if r["file"] not in fit_files]
     starts = [s.blocks[0] for s in plan.stages]
-    calibrated = plan_cost_model(plan, cals).step_ms(starts)
+    # as planning applies one: only to profiles of the threads it was fitted with
+    same = plan.profiles[0].threads == fit_threads
+    calibrated = plan_cost_model(plan, cals if same else None).step_ms(starts)
     mem_run = load_measurement(next(r["file"] for r in case["runs"] if r["memory"]))
     memory = []
     for st in plan.stages:
@@ -148,6 +154,7 @@ def _figures(case: dict[str, Any], cals: dict[str, Any], fit_files: list[str]) -
         "calibrated_ms": calibrated,
         "calibrated_error": rel_error(calibrated, statistics.median(held)),
         "held_out_launches": len(held),
+        "calibration_applies": same,
         "memory_error": memory,
     }
 
@@ -177,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             fitted = done[FIT]
             fit_files = [r["file"] for r in fitted["runs"][:FIT_LAUNCHES]]
             runs = joined([load_measurement(f) for f in fit_files])
-            cals = fit(load_plan(fitted["plan"]), runs).calibrations
+            fit_plan = load_plan(fitted["plan"])
+            cals = fit(fit_plan, runs).calibrations
+            fit_threads = fit_plan.profiles[0].threads
             for c in CONFIGS:
-                got = _figures(done[c], cals, fit_files)
+                got = _figures(done[c], cals, fit_files, fit_threads)
                 got["calibration"] = {k: v.to_dict() for k, v in cals.items()}
                 cases.append(got)
                 rows.append(
@@ -190,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{got['calibrated_ms']:.1f}",
                         f"{got['measured_ms']:.1f}",
                         f"{got['error']:+.1%}",
-                        f"{got['calibrated_error']:+.1%}",
+                        f"{got['calibrated_error']:+.1%}"
+                        + ("" if got["calibration_applies"] else "*"),
                         " ".join(f"{e:+.1%}" for e in got["memory_error"]),
                     ]
                 )
@@ -199,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         ["model", "pp×dp m", "pred", "calibrated", "measured", "err", "cal err", "mem err"],
         rows,
     )
+    print("* processes with other threads than the fit's: no calibration applies (uncalibrated)")
     summary = {
         "time_uncalibrated": _stats([c["error"] for c in cases]),
         "time_calibrated": _stats([c["calibrated_error"] for c in cases]),

@@ -238,27 +238,32 @@ def _write(k: str, data: dict[str, Any]) -> Path | None:
 # --------------------------------------------------------------------------- calibrations
 
 
-def calibration_key(fingerprint: str, device: str, precision: str) -> str:
-    """The key of the calibration of a model (by fingerprint) on a device type at a
-    precision: one for every thread count of a local CPU (the run it was fitted on is
-    in its ``source``)."""
-    return key("calibration", fingerprint, device, precision)
+def calibration_key(fingerprint: str, device: str, threads: int, precision: str) -> str:
+    """The key of the calibration of a model (by fingerprint) on a device type, with
+    ``threads`` torch threads per process (a local CPU; 0 elsewhere), at a precision.
+
+    By thread count too: the compute a run measures with one thread per process says
+    little of a process with two (bench calibration: a scale fitted on 1-thread
+    processes put a 2-thread single process off by +22 to +55 %)."""
+    return key("calibration", fingerprint, device, threads, precision)
 
 
-def load_calibration(fingerprint: str, device: str, precision: str) -> Calibration | None:
+def load_calibration(
+    fingerprint: str, device: str, threads: int, precision: str
+) -> Calibration | None:
     """The calibration ``planner calibrate`` stored for these, or None."""
     from planner.plan.records import Calibration
 
-    data = load(calibration_key(fingerprint, device, precision))
+    data = load(calibration_key(fingerprint, device, threads, precision))
     if data is None or set(data) != {"calibration"}:
         return None
     return Calibration.from_dict(data["calibration"], path="calibration")
 
 
 def store_calibration(
-    calibration: Calibration, fingerprint: str, device: str, precision: str
+    calibration: Calibration, fingerprint: str, device: str, threads: int, precision: str
 ) -> Path | None:
     """Keep ``calibration`` for these (replacing any there); its path, None when the cache
     cannot be written."""
-    k = calibration_key(fingerprint, device, precision)
+    k = calibration_key(fingerprint, device, threads, precision)
     return store(k, {"calibration": calibration.to_dict()})

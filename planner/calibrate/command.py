@@ -10,8 +10,9 @@ Example::
    counted steps joined: one launch can be slowed by the machine's other work);
 2. :func:`~planner.calibrate.fit.fit` fits a calibration per device type;
 3. it is stored with the profile cache, keyed by the model's fingerprint, the
-   device type and the precision, where every later ``planner plan`` of the
-   model finds it (``--no-calibration`` ignores it);
+   device type, the threads per process (a local CPU) and the precision, where
+   every later ``planner plan`` of the model finds it (``--no-calibration``
+   ignores it);
 4. the model is planned again with it, on the plan's cluster (or ``--gpus`` /
    ``--cluster``), and the new plan written to ``--out``;
 5. with ``--check`` the new plan is run too: its measured step beside its
@@ -96,7 +97,8 @@ def calibrate(
     fitted = fit(plan, result)
     stored = []
     for device, cal in fitted.calibrations.items():
-        path = store_calibration(cal, plan.model.fingerprint, device, plan.precision)
+        threads = next(p.threads for p in plan.profiles if p.device == device)
+        path = store_calibration(cal, plan.model.fingerprint, device, threads, plan.precision)
         stored.append(str(path) if path else f"{device}: not stored (the cache is not writable)")
     training = Training(
         global_batch=plan.global_batch, optimizer=plan.optimizer, precision=plan.precision

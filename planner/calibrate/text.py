@@ -57,6 +57,12 @@ def summary(
         f"predicted {new.predicted.step_ms:.1f} ms",
         f"  {_changed(plan, new)}",
     ]
+    if all(p.calibration is None for p in new.profiles):
+        threads = max((p.threads for p in new.profiles), default=0)
+        lines.append(
+            f"  its processes have {threads} threads, for which no calibration exists: its "
+            "figures are uncalibrated (calibrate it too: planner calibrate on the new plan)"
+        )
     if checked_ms is not None:
         lines.append(
             f"  measured (--check, a run the fit did not see): {checked_ms:.1f} ms, "

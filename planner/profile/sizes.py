@@ -226,7 +226,7 @@ class SizedProfiles:
         if not self.options.calibration:
             return prof
         precision = self.training.precision
-        cal = load_calibration(prof.fingerprint, prof.device, precision)
+        cal = load_calibration(prof.fingerprint, prof.device, prof.threads, precision)
         return prof if cal is None else calibrated(prof, cal)
 
     def _phases(self, device: str, b: int, threads: int) -> Progress | None:
