@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench._common import knobs, plan_layout
+from bench._common import knobs
 from bench._runtime_workers import _count_faults, _init, _own_cpu_s, alternate, cpu_busy_s
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,20 +90,12 @@ def make_plan(example: str, batch: int, pp: int, dp: int, m: int) -> Any:
 
 
 def cost_model(plan: Any) -> Any:
-    """The current cost model for ``plan``'s layout, from the profiles the plan carries."""
-    from planner.cost import CostModel
-    from planner.devices import from_record
-    from planner.options import Training
-    from planner.profile.sizes import at_batch_size
+    """The current cost model for ``plan``'s layout, from the profiles the plan carries
+    (with the calibration they carry, if any)."""
+    from planner.calibrate import plan_cost_model
 
-    by_device: dict[str, list[Any]] = {}
-    for p in plan.profiles:
-        by_device.setdefault(p.device, []).append(p)
-    profs = {k: at_batch_size(v, plan.micro_batch_size) for k, v in by_device.items()}
-    training = Training(
-        global_batch=plan.global_batch, optimizer=plan.optimizer, precision=plan.precision
-    )
-    return CostModel(profs, from_record(plan.cluster), training, plan_layout(plan))
+    cals = {p.device: p.calibration for p in plan.profiles if p.calibration is not None}
+    return plan_cost_model(plan, cals)
 
 
 def starts_of(plan: Any) -> list[int]:

@@ -83,6 +83,11 @@ def calibrate(
     from planner.planning import plan_model_file
 
     plan = load_plan(plan_file)
+    if not plan.model.fingerprint:
+        raise ValueError(
+            f"{plan_file} records no model fingerprint (format {plan.version}), so a "
+            "calibration could not be kept for the model: plan it again with this version"
+        )
     if steps < 2:
         raise ValueError(f"--steps must be ≥ 2 (one is warm-up, not counted), got {steps}")
     if launches < 1:
@@ -95,10 +100,11 @@ def calibrate(
             ]
         )
     fitted = fit(plan, result)
+    fingerprint = plan.model.fingerprint
     stored = []
     for device, cal in fitted.calibrations.items():
         threads = next(p.threads for p in plan.profiles if p.device == device)
-        path = store_calibration(cal, plan.model.fingerprint, device, threads, plan.precision)
+        path = store_calibration(cal, fingerprint, device, threads, plan.precision)
         stored.append(str(path) if path else f"{device}: not stored (the cache is not writable)")
     training = Training(
         global_batch=plan.global_batch, optimizer=plan.optimizer, precision=plan.precision
@@ -179,8 +185,7 @@ def add_calibrate_parser(sub: Any, run: RunPlan) -> None:
             check=ns.check,
             cluster=cluster,
         )
-        d = done
-        print(summary(d.plan, d.result, d.fit, d.new_plan, d.checked_step_ms))
+        print(summary(done.plan, done.result, done.fit, done.new_plan, done.checked_step_ms))
         for path in done.stored:
             print(f"calibration stored in {path}")
         print(f"new plan written to {done.new_plan_path} (planner show {done.new_plan_path})")

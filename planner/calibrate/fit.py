@@ -39,23 +39,16 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from planner.cost.basis import Layout
+from planner.calibrate.compute import compute_scales, measured_actions, shares
+from planner.calibrate.priced import plan_cost_model
 from planner.cost.model import CostModel
-from planner.cost.stage_time import corun_slowdown
-from planner.devices.cluster_file import from_record
-from planner.options import Training
-from planner.plan.calibration import calibrated, uncalibrated
-from planner.plan.measured import Interval, Measurement, RankRecord, median
-from planner.plan.records import Calibration, ModelProfile
+from planner.plan.measured import Measurement, RankRecord, median
+from planner.plan.records import Calibration
 from planner.plan.schema import Plan
 
-__all__ = ["Fit", "fit", "plan_cost_model"]
-
-_CORUN_GRID = [1.0 + 0.02 * k for k in range(51)]  # 1.00 … 2.00
-_BETTER = 0.95  # a fitted co-run slow-down must cut the squared log error by 5 %
+__all__ = ["Fit", "fit"]
 
 
 @dataclass(frozen=True)
@@ -66,32 +59,6 @@ class Fit:
     actions: int  # forward and backward actions the compute fit used
     overlap: tuple[float, float]  # share of actions mostly alone, mostly overlapped
     hops: int  # transfers the p2p fit used
-
-
-def plan_cost_model(plan: Plan, calibrations: dict[str, Calibration] | None = None) -> CostModel:
-    """The cost model of ``plan``'s layout, from the profiles the plan carries, taken
-    uncalibrated and then given ``calibrations`` (per device type; none: uncalibrated)."""
-    from planner.profile.sizes import at_batch_size
-
-    by_device: dict[str, list[ModelProfile]] = {}
-    for p in plan.profiles:
-        by_device.setdefault(p.device, []).append(uncalibrated(p))
-    profs = {k: at_batch_size(v, plan.micro_batch_size) for k, v in by_device.items()}
-    if calibrations:
-        profs = {
-            k: calibrated(p, calibrations[k]) if k in calibrations else p for k, p in profs.items()
-        }
-    training = Training(
-        global_batch=plan.global_batch, optimizer=plan.optimizer, precision=plan.precision
-    )
-    layout = Layout(
-        pp=plan.pp,
-        dp=plan.dp,
-        micro_batches=plan.micro_batches,
-        schedule=plan.schedule,
-        ranks=tuple(tuple(s.ranks) for s in plan.stages),
-    )
-    return CostModel(profs, from_record(plan.cluster), training, layout)
 
 
 def fit(plan: Plan, result: Measurement) -> Fit:
@@ -105,11 +72,12 @@ def fit(plan: Plan, result: Measurement) -> Fit:
     """
     _check_run(plan, result)
     raw = plan_cost_model(plan)
-    actions = _actions(plan, raw, result)
+    actions = measured_actions(plan, raw, result)
     if not any(a.kind == "F" for a in actions):
         raise ValueError("the run recorded no forward action in its counted steps")
     types = sorted({a.device for a in actions})
-    corun, scales, corun_fitted = _compute(plan, actions, types)
+    overlap = shares(actions)
+    corun, scales, corun_fitted = compute_scales(plan, actions, types, raw, overlap)
     fitted = ["fwd_scale"] + (["bwd_scale"] if any(a.kind == "B" for a in actions) else [])
     fitted += ["corun_slowdown"] if corun_fitted else []
     cals = {
@@ -125,15 +93,17 @@ def fit(plan: Plan, result: Measurement) -> Fit:
     opt = _optimizer(plan, cm, result, counted)
     red = _allreduce(plan, cm, result, counted)
     extra, hops = _p2p(plan, cm, result, counted)
-    figures: dict[str, float] = {}
-    if opt is not None:
-        figures["optimizer_scale"] = opt
-    if red is not None:
-        figures["allreduce_scale"] = red
-    if extra is not None:
-        figures["p2p_extra_ms"] = extra
-    cals = {t: replace(c, **figures) for t, c in cals.items()}
-    fitted += list(figures)
+    figures = {"optimizer_scale": opt, "allreduce_scale": red, "p2p_extra_ms": extra}
+    fitted += [name for name, value in figures.items() if value is not None]
+    cals = {
+        t: replace(
+            c,
+            optimizer_scale=c.optimizer_scale if opt is None else opt,
+            allreduce_scale=c.allreduce_scale if red is None else red,
+            p2p_extra_ms=c.p2p_extra_ms if extra is None else extra,
+        )
+        for t, c in cals.items()
+    }
     overhead = _overhead(plan, cals, result.step_ms)
     fitted.append("action_overhead_ms")
     cals = {t: replace(c, action_overhead_ms=overhead) for t, c in cals.items()}
@@ -156,9 +126,7 @@ def fit(plan: Plan, result: Measurement) -> Fit:
         )
         for t, c in cals.items()
     }
-    alone = sum(a.overlap < 0.25 for a in actions) / len(actions)
-    busy = sum(a.overlap > 0.75 for a in actions) / len(actions)
-    return Fit(cals, len(actions), (alone, busy), hops)
+    return Fit(cals, len(actions), overlap, hops)
 
 
 def _check_run(plan: Plan, result: Measurement) -> None:
@@ -171,140 +139,6 @@ def _check_run(plan: Plan, result: Measurement) -> None:
         )
     if not result.counted or not math.isfinite(result.step_ms):
         raise ValueError("the run has no counted step: run more steps than --warmup-steps")
-
-
-# --------------------------------------------------------------------------- compute
-
-
-@dataclass(frozen=True)
-class _Action:
-    stage: int
-    device: str
-    kind: str  # "F" (with the loss on the last stage) or "B"
-    ms: float  # measured
-    profiled: float  # its blocks' profiled time
-    overlap: float  # share of it with another rank computing
-
-
-def _actions(plan: Plan, raw: CostModel, result: Measurement) -> list[_Action]:
-    """Every counted forward and backward (DDP's last backward left out, dp > 1)."""
-    counted = set(result.counted)
-    busy = {r.rank: _merged(_compute_spans(r, counted)) for r in result.records}
-    n = raw.n_blocks
-    out = []
-    for rec in result.records:
-        st = plan.stages[rec.stage]
-        i, j = st.blocks
-        dev = raw.basis.stage_types[rec.stage][0]
-        tab = raw.basis.tables[dev]
-        profiled = {
-            "F": tab.fwd[j] - tab.fwd[i] + (tab.loss_fwd if j == n else 0.0),
-            "B": tab.bwd[j] - tab.bwd[i] + (tab.loss_bwd if j == n else 0.0),
-        }
-        if raw.recompute(rec.stage, i, j):
-            profiled["B"] += tab.fwd[j] - tab.fwd[i]
-        others = _merged([s for r, spans in busy.items() if r != rec.rank for s in spans])
-        groups: dict[tuple[str, int, int], list[Interval]] = {}
-        for iv in rec.intervals:
-            kind = "F" if iv.kind in ("F", "loss") else iv.kind
-            if kind not in ("F", "B") or iv.step not in counted:
-                continue
-            if kind == "B" and plan.dp > 1 and iv.micro_batch == plan.micro_batches - 1:
-                continue
-            groups.setdefault((kind, iv.step, iv.micro_batch), []).append(iv)
-        for (kind, _, _), ivs in groups.items():
-            ms = sum(iv.ms for iv in ivs)
-            if ms <= 0 or profiled[kind] <= 0:
-                continue
-            shared = sum(_overlap_s(iv, others) for iv in ivs) * 1e3
-            p = profiled[kind]
-            out.append(_Action(rec.stage, dev, kind, ms, p, min(1.0, shared / ms)))
-    return out
-
-
-def _compute_spans(rec: RankRecord, counted: set[int]) -> list[tuple[float, float]]:
-    return [
-        (iv.start, iv.end)
-        for iv in rec.intervals
-        if iv.kind in ("F", "B", "loss", "optimizer") and iv.step in counted
-    ]
-
-
-def _merged(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _overlap_s(iv: Interval, spans: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(iv.end, b) - max(iv.start, a)) for a, b in spans)
-
-
-def _compute(
-    plan: Plan, actions: list[_Action], types: list[str]
-) -> tuple[float, dict[str, tuple[float, float]], bool]:
-    """(co-run slow-down, {type: (fwd scale, bwd scale)}, whether the slow-down was fitted)."""
-    default = corun_slowdown(plan_cost_model(plan).profile)
-    tried = {c: _scales_at(plan, actions, types, c) for c in sorted({*_CORUN_GRID, default})}
-    c = min(tried, key=lambda k: (tried[k][0], k != default))
-    alone = sum(a.overlap < 0.25 for a in actions) / len(actions)
-    busy = sum(a.overlap > 0.75 for a in actions) / len(actions)
-    if alone >= 0.1 and busy >= 0.1 and tried[c][0] < _BETTER * tried[default][0]:
-        return c, tried[c][1], True
-    return default, tried[default][1], False
-
-
-def _scales_at(
-    plan: Plan, actions: list[_Action], types: list[str], corun: float
-) -> tuple[float, dict[str, tuple[float, float]]]:
-    """At co-run slow-down ``corun``: the squared log error of the best compute scale per
-    device type, and the scales ([Note: a scale and a fixed cost per action])."""
-    cm = plan_cost_model(plan, {t: Calibration(corun_slowdown=corun) for t in types})
-    alone, busy = 1.0 / cm.time.speeds[0], 1.0 / cm.time.speeds[-1]
-
-    def g(a: _Action) -> float:
-        return (1 - a.overlap) * alone + a.overlap * busy
-
-    lines = {t: _line([a for a in actions if a.device == t], g) for t in types}
-    err = 0.0
-    for a in actions:
-        slope, fixed = lines[a.device]
-        err += math.log(a.ms / (g(a) * (slope * a.profiled + fixed))) ** 2
-    return err, {t: (slope, slope) for t, (slope, _) in lines.items()}
-
-
-def _line(actions: list[_Action], g: Callable[[_Action], float]) -> tuple[float, float]:
-    """(scale, fixed ms) of measured ÷ g = scale × profiled + fixed, least squares over the
-    median of each stage's forwards and backwards; fixed ≥ 0.
-
-    [Note: a scale and a fixed cost per action] A runtime action costs more than
-    its blocks' profiled time by a part that grows with it (the profile's own error)
-    and a part that does not (the pipeline's bookkeeping inside the action): fitted
-    as one ratio, the fixed part would be scaled up with every larger micro-batch and
-    every longer stage. The fixed part is not kept here: the action overhead, fitted
-    last to the step, carries every fixed cost per action.
-    """
-    groups: dict[tuple[int, str], list[_Action]] = {}
-    for a in actions:
-        groups.setdefault((a.stage, a.kind), []).append(a)
-    pts = [
-        (statistics.median(a.profiled for a in acts), statistics.median(a.ms / g(a) for a in acts))
-        for acts in groups.values()
-    ]
-    n = len(pts)
-    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    if sxx > 0:
-        slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
-        fixed = my - slope * mx
-        if slope > 0 and fixed >= 0:
-            return slope, fixed
-    through_origin = sum(x * y for x, y in pts) / max(sum(x * x for x, _ in pts), 1e-12)
-    return through_origin, 0.0
 
 
 # --------------------------------------------------------------------------- the rest

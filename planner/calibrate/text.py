@@ -6,7 +6,8 @@ from __future__ import annotations
 import shutil
 import sys
 
-from planner.calibrate.fit import Fit, plan_cost_model
+from planner.calibrate.fit import Fit
+from planner.calibrate.priced import plan_cost_model
 from planner.cost.stage_time import ACTION_OVERHEAD_MS, CPU_CORUN_SLOWDOWN
 from planner.plan.fold import output_width, wrap
 from planner.plan.measured import Measurement

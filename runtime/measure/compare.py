@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,7 @@ def _width() -> int:
     return output_width(tty, shutil.get_terminal_size().columns if tty else None)
 
 
-def _span(steps: list[int]) -> str:
+def _span(steps: Sequence[int]) -> str:
     if not steps:
         return "none"
     lo, hi = steps[0] + 1, steps[-1] + 1  # 1-based, as the training log prints them

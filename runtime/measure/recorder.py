@@ -245,7 +245,7 @@ class Recorder:
         recorded = sorted({iv.step for r in parts for iv in r.intervals if iv.kind == "step"})
         counted = [s for s in recorded if s >= self._first + self.warmup_steps] or recorded
         return Measurement(
-            records=sorted(parts, key=lambda r: r.rank),
+            records=tuple(sorted(parts, key=lambda r: r.rank)),
             steps=tuple(recorded),
             counted=tuple(counted),
             global_batch=self.pmodel.plan.global_batch,
