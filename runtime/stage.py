@@ -32,7 +32,7 @@ from runtime.options import SPLIT_METHODS
 from runtime.precision import retype_boundaries, send_as
 from runtime.recompute import maybe_recompute
 from runtime.split import Example, split_for_plan
-from runtime.split.used import prune_unused, used_tensors
+from runtime.split.used import prune_unused, release_others, used_tensors
 
 __all__ = ["StageModule", "build_stage", "maybe_ddp"]
 
@@ -121,6 +121,8 @@ def build_stage(
     if materialize is not None:  # [Note: building a stage without the whole model]
         materialize(module, mesh.device)
     stage = _torch_stage(parts, module, plan, mesh)
+    if parts.pipe is not None:  # torch's stage keeps the Pipe's graph, and all stages with it
+        release_others([parts.pipe.split_gm], keep=module)  # (export's modules: the model's stay)
     # [Note: recompute as it runs] in runtime.recompute
     runner = maybe_recompute(send_as(module, sends[s]), plan.stages[s].recompute)
     wrapped = maybe_ddp(runner, mesh)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -113,6 +114,9 @@ def _train(opts: RunOptions) -> int:
     plan = load_plan(opts.plan)
     mf = load_model_file(opts.model_file)
     pm, feed = _build(plan, mf, opts)
+    # The whole model and the split's traced copies are garbage now, partly in reference
+    # cycles (fx graphs and their modules): freed here, not at a collection in some step.
+    gc.collect()
     Where.prefix = pm.mesh.prefix
     lead = pm.mesh.rank == 0
     start = 0

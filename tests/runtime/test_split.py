@@ -41,6 +41,34 @@ def test_pipeline_stage_keeps_only_what_it_reads() -> None:
     assert {"tok_emb.weight"} <= used_tensors(first) and "head.weight" in used_tensors(last)
 
 
+def test_a_rank_releases_the_other_stages_tensors_and_keeps_its_own() -> None:
+    from runtime.split.pipeline import split_pipeline
+    from runtime.split.used import release_others
+
+    torch.manual_seed(0)
+    gpt = build("gpt")
+    x, _ = batch("gpt", 2, 0)
+    pipe, _ = split_pipeline(gpt, ["blocks.1"], ((x,), {}))
+    first, last = (pipe.get_stage_module(i) for i in range(2))
+    h = first(x)
+    h = h if isinstance(h, tuple) else (h,)
+    expected = last(*h)
+    own = {n: p.data_ptr() for n, p in last.named_parameters()}
+    others = sum(t.numel() * t.element_size() for t in first.state_dict().values())
+    # export's InterpreterModule holds the same tensors again in an unregistered graph_module
+    assert any(type(v).__name__ == "GraphModule" for m in first.modules() for v in vars(m).values())
+    released = release_others([pipe.split_gm], keep=last)
+    assert released >= others * 0.99
+    assert all(t.is_meta for t in first.state_dict().values())
+    for m in first.modules():
+        for v in vars(m).values():
+            if isinstance(v, nn.Module):
+                assert all(t.is_meta for t in v.state_dict().values()), type(v).__name__
+    assert {n: p.data_ptr() for n, p in last.named_parameters()} == own  # the same tensors
+    assert not any(t.is_meta for t in gpt.state_dict().values())  # the model's own modules: kept
+    torch.testing.assert_close(last(*h), expected)
+
+
 def test_fx_split_passes_long_skips_along_the_chain() -> None:
     from runtime.split import split_model
 
