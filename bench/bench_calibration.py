@@ -16,13 +16,16 @@ on local CPU processes (gloo):
 
 **Calibration** (``planner calibrate``'s fit, ``planner.calibrate.fit``) is
 fitted on the first ``FIT_LAUNCHES`` launches of ``FIT`` (pp 2, dp 1, m 4),
-joined, as ``planner calibrate --launches 2`` does; every case whose processes
-have the fit's thread count (as planning applies a stored calibration; the
-others, marked *, keep the uncalibrated figure) has its
-plan is then priced again with it (the same placement:
-``plan_cost_model(plan, calibration).step_ms``), and compared with the launches
-the fit did not see (for the ``FIT`` case, launches 3…N). So the calibrated
-figures are held-out predictions: other layouts, other launches.
+joined, as ``planner calibrate --launches 2`` does. A calibration applies to
+processes of the thread count it was fitted with (as planning applies a stored
+one), so the cases whose processes have another (one process with both cores:
+pp 1 × dp 1) get their own, fitted on their own first ``FIT_LAUNCHES``
+launches, as a user would calibrate the plan they run. Every case's plan is
+then priced again with its calibration (the same placement:
+``plan_cost_model(plan, calibration).step_ms``) and compared with the launches
+no fit saw (for a fitted case, launches 3…N). So the calibrated figures are
+held-out predictions: other layouts, or the same layout's other launches
+(``fitted_on`` says which).
 
 Error = (predicted − measured) / measured. The summary: median |error| and
 the worst, uncalibrated and calibrated (time), and memory, over every case.
@@ -125,22 +128,38 @@ def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict
     }
 
 
-def _figures(
-    case: dict[str, Any], cals: dict[str, Any], fit_files: list[str], fit_threads: int
-) -> dict[str, Any]:
+def _fits(done: dict[tuple[int, int, int], dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """A calibration per thread count of the cases' processes: fitted on ``FIT``'s first
+    launches, or (threads ``FIT`` does not have) on the first case with those threads."""
+    from planner.calibrate import fit
+    from planner.plan.files import load_plan
+    from planner.plan.measured import joined, load_measurement
+
+    fits: dict[int, dict[str, Any]] = {}
+    for c in [FIT, *(c for c in CONFIGS if c != FIT)]:
+        plan = load_plan(done[c]["plan"])
+        threads = plan.profiles[0].threads
+        if threads in fits:
+            continue
+        files = [r["file"] for r in done[c]["runs"][:FIT_LAUNCHES]]
+        cals = fit(plan, joined([load_measurement(f) for f in files])).calibrations
+        fits[threads] = {"layout": c, "files": files, "calibrations": cals}
+    return fits
+
+
+def _figures(case: dict[str, Any], fits: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The case's errors: uncalibrated, calibrated (held out), memory per stage."""
     from planner.calibrate import plan_cost_model
     from planner.plan.files import load_plan
     from planner.plan.measured import load_measurement
 
     plan = load_plan(case["plan"])
+    own = fits[plan.profiles[0].threads]  # as planning applies one: by thread count
     timed = [r for r in case["runs"] if not r["memory"]]
     measured = statistics.median(r["step_ms"] for r in timed)
-    held = [r["step_ms"] for r in timed if r["file"] not in fit_files]
+    held = [r["step_ms"] for r in timed if r["file"] not in own["files"]]
     starts = [s.blocks[0] for s in plan.stages]
-    # as planning applies one: only to profiles of the threads it was fitted with
-    same = plan.profiles[0].threads == fit_threads
-    calibrated = plan_cost_model(plan, cals if same else None).step_ms(starts)
+    calibrated = plan_cost_model(plan, own["calibrations"]).step_ms(starts)
     mem_run = load_measurement(next(r["file"] for r in case["runs"] if r["memory"]))
     memory = []
     for st in plan.stages:
@@ -154,7 +173,8 @@ def _figures(
         "calibrated_ms": calibrated,
         "calibrated_error": rel_error(calibrated, statistics.median(held)),
         "held_out_launches": len(held),
-        "calibration_applies": same,
+        "fitted_on": "{}×{} m{}".format(*own["layout"]),
+        "calibration": {k: v.to_dict() for k, v in own["calibrations"].items()},
         "memory_error": memory,
     }
 
@@ -169,27 +189,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"models {', '.join(QUICK_MODELS)}")
     ap.add_argument("--models", default=None, help="comma-separated names of MODELS")
-    ap.add_argument("--launches", type=int, default=3, help="timed launches per case (≥ 3)")
+    ap.add_argument("--launches", type=int, default=4, help="timed launches per case (≥ 3)")
     ns = ap.parse_args(argv)
     names = ns.models.split(",") if ns.models else (QUICK_MODELS if ns.quick else list(MODELS))
-    from planner.calibrate import fit
-    from planner.plan.files import load_plan
-    from planner.plan.measured import joined, load_measurement
-
     started, load0 = time.perf_counter(), _load()
     rows, cases = [], []
     with tempfile.TemporaryDirectory(prefix="bench-calibration-") as tmp:
         for name in names:
             done = {c: _case(name, *c, ns.launches, Path(tmp)) for c in CONFIGS}
-            fitted = done[FIT]
-            fit_files = [r["file"] for r in fitted["runs"][:FIT_LAUNCHES]]
-            runs = joined([load_measurement(f) for f in fit_files])
-            fit_plan = load_plan(fitted["plan"])
-            cals = fit(fit_plan, runs).calibrations
-            fit_threads = fit_plan.profiles[0].threads
+            fits = _fits(done)
             for c in CONFIGS:
-                got = _figures(done[c], cals, fit_files, fit_threads)
-                got["calibration"] = {k: v.to_dict() for k, v in cals.items()}
+                got = _figures(done[c], fits)
                 cases.append(got)
                 rows.append(
                     [
@@ -199,17 +209,17 @@ def main(argv: list[str] | None = None) -> int:
                         f"{got['calibrated_ms']:.1f}",
                         f"{got['measured_ms']:.1f}",
                         f"{got['error']:+.1%}",
-                        f"{got['calibrated_error']:+.1%}"
-                        + ("" if got["calibration_applies"] else "*"),
+                        f"{got['calibrated_error']:+.1%}",
+                        got["fitted_on"],
                         " ".join(f"{e:+.1%}" for e in got["memory_error"]),
                     ]
                 )
     table(
         "predicted vs measured step (ms), uncalibrated and calibrated; memory per stage",
-        ["model", "pp×dp m", "pred", "calibrated", "measured", "err", "cal err", "mem err"],
+        ["model", "pp×dp m", "pred", "calibrated", "measured", "err", "cal err", "fitted on",
+         "mem err"],
         rows,
-    )
-    print("* processes with other threads than the fit's: no calibration applies (uncalibrated)")
+    )  # fmt: skip
     summary = {
         "time_uncalibrated": _stats([c["error"] for c in cases]),
         "time_calibrated": _stats([c["calibrated_error"] for c in cases]),

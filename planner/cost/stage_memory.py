@@ -79,10 +79,12 @@ class StageMemoryModel:
           ≥ k + activations of blocks ≤ k) + n − 1 other micro-batches; on the
           last stage the loss's backward starts it, with the model's output,
           what the loss saved and two output-sized gradients live;
-        * **a later backward with every gradient allocated** (1F1B with
-          m > n: n micro-batches in flight again);
-        * **the optimizer step**: all gradients, and the optimizer's temporaries
-          ([Note: optimizer temporaries]).
+        * **a later backward with every gradient allocated** (any m > 1: n
+          micro-batches in flight in 1F1B's steady state, n − 1 after GPipe's
+          first backward): autograd computes a parameter's gradient into a new
+          tensor, then adds it to the one held: the largest such tensor adds
+          (examples/gpt.py at pp 2: 16 MiB, 8 and 11 % of the stages' peaks);
+        * **the optimizer step**: all gradients, the optimizer's temporaries.
 
         Per micro-batch in flight: the blocks' saved activations (each tensor
         once, charged to the block that made it), and on the last stage the
@@ -91,11 +93,10 @@ class StageMemoryModel:
         buffers: torch's pipelining keeps one input buffer per micro-batch on
         every stage after the first, and one output-gradient buffer per
         micro-batch on every stage before the last (the first stage holds the
-        replica's batch instead). The backward moments add the gradients of a
-        block's output and input (the stage's largest such pair) and, after the
-        first stage, the previous micro-batch's input gradient still being
-        sent. With recompute, the micro-batches in flight keep only their
-        inputs, and the one run backward is recomputed first.
+        replica's batch instead). Backward moments add a block's output and
+        input gradients (the largest pair) and, after the first stage, the last
+        input gradient still being sent. With recompute, micro-batches in flight
+        keep only their inputs; the one run backward is recomputed first.
         """
         b = self.b
         tab = b.table(s)
@@ -122,10 +123,16 @@ class StageMemoryModel:
         first_grads = tab.grads[j] - tab.grads[k]
         first_acts = tab.act[k + 1] - tab.act[i]
         moments = [(first_grads, recv + others + first_acts + loss + grad_tmp)]
+        out_grads = 2 * stage_output * scale
         if last:  # the loss's backward opens it: no gradients yet, two output-sized ones
-            moments.append((0.0, recv + others + acts + loss + 2 * stage_output * scale))
-        if m > n:  # 1F1B's steady state: every gradient exists, n micro-batches in flight
-            moments.append((all_grads, recv + n * per_mb + (acts if recompute else 0) + grad_tmp))
+            moments.append((0.0, recv + others + acts + loss + out_grads))
+        if m > 1:  # a later micro-batch's backward: every gradient exists, and a new one
+            later = n if m > n else n - 1  # in flight then, the one run backward among them
+            new = self._largest(s, i, j) / b.param_elem * b.grads_b
+            held = recv + later * per_mb + (acts if recompute else 0) + new
+            moments.append((all_grads, held + grad_tmp))
+            if last:
+                moments.append((all_grads, held + out_grads))
         moments.append((all_grads, recv + self._optimizer_temp(s, i, j)))
         grads, activations = max(moments, key=lambda g_a: g_a[0] + g_a[1])
         return MemoryBreakdown(
@@ -159,8 +166,11 @@ class StageMemoryModel:
             return 0.0
         if b.cluster.backend != "gloo":
             return 0.0  # GPUs: not measured here (see the note)
-        largest = max([b.table(s).max_params(i, j)[0], *b.tied_in(i, j)])
-        return 2 * largest / b.param_elem * 4  # per tensor: two of the largest, fp32
+        return 2 * self._largest(s, i, j) / b.param_elem * 4  # two of the largest, fp32
+
+    def _largest(self, s: int, i: int, j: int) -> float:
+        """Bytes of the largest tensor blocks [i, j) train: a block's parameters, or a tied one."""
+        return max([self.b.table(s).max_params(i, j)[0], *self.b.tied_in(i, j)])
 
     def recompute(self, s: int, i: int, j: int) -> bool:
         """Recompute exactly when the stage does not fit without it.

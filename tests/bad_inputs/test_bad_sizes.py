@@ -49,11 +49,11 @@ def test_case08_one_block_larger_than_a_device(env: Env) -> None:
     err = env.refused(env.write(WIDE), "--cluster", cluster)
     usable = format_bytes(0.002 * GIB * 0.9)
     assert re.search(
-        rf"no stage can hold block 1 \('wide'\) within {re.escape(usable)}: it needs 4\.\d MiB "
+        rf"no stage can hold block 1 \('wide'\) within {re.escape(usable)}: it needs 5\.\d MiB "
         rf"on stage \d \(capacity {re.escape(usable)}\)",
         err,
     ), err
-    assert "The largest block is block 1 ('wide'): alone on a stage it needs 4." in err
+    assert "The largest block is block 1 ('wide'): alone on a stage it needs 5." in err
     assert "Fix: more devices or devices with more memory" in err
 
 

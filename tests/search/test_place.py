@@ -73,7 +73,7 @@ def _cluster(kind: str, devices: int) -> Cluster:
     if kind == "two-nodes":
         return from_gpus(16, "h100")
     if kind == "small-memory":
-        return from_gpus(devices, "h100", memory_gib=0.45)
+        return from_gpus(devices, "h100", memory_gib=0.5)
     return from_gpus(devices, "h100")
 
 
