@@ -283,3 +283,24 @@ def test_the_published_bubble_row_is_the_simulators_1f1b_at_the_papers_p_and_m(
     record = json.loads((tmp_path / "p.json").read_text())
     assert record["zero_bubble"]["rows"][0]["simulated_bubble"] == bare["simulated_bubble"]
     assert record["torchtitan"]["rows"] == []  # --quick: the simulator only
+
+
+def test_the_published_schedule_gains_are_simulated_from_torchs_orders() -> None:
+    """Equal stages, no transfers: Interleaved 1F1B at pp 8, m 8 gains (15 − 11.5)/11.5 over
+    1F1B (the textbook bubbles (p − 1) and (p − 1)/v); ZB-1p at p 8, m 24 a third of 1F1B's
+    bubble; every gain positive, ZB-V's the largest of the paper's case."""
+    from bench import bench_published
+
+    rows = {(r["case"], r["schedule"]): r for r in bench_published.schedule_gain_rows(0.0)}
+    assert rows[("torchtitan", "interleaved-1f1b")]["simulated_gain"] == pytest.approx(
+        15 / 11.5 - 1
+    )
+    assert rows[("zero-bubble", "interleaved-zb")]["simulated_gain"] == pytest.approx(
+        31 / 79 * 3 - 1
+    )
+    assert rows[("torchtitan", "interleaved-1f1b")]["published_gain"] == 0.28
+    paper = [
+        r for (case, _), r in rows.items() if case == "zero-bubble" and r["schedule"] != "1f1b"
+    ]
+    assert all(r["simulated_gain"] > 0 for r in paper)
+    assert max(paper, key=lambda r: r["simulated_gain"])["schedule"] in ("zbv", "dualpipev")

@@ -29,14 +29,14 @@ or ends an action.
 A plan keeps the simulation's inputs (:class:`~planner.plan.schema.StepInputs`);
 :func:`replay` runs them, so a report draws the very step the plan predicts.
 
-Pure: no torch.
+Imports no torch (the schedule's order is torch's: :mod:`planner.plan.schedule`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from planner.cost.step_graph import StepGraph, step_graph
+from planner.cost.step_graph import Node, StepGraph, step_graph
 from planner.plan.sections import StepInputs
 from planner.plan.timeline import Event, Timeline
 
@@ -71,6 +71,8 @@ def simulate(
     speed: Sequence[float] | None = None,
     reduce: Sequence[float] | None = None,
     join: Sequence[Sequence[int]] = (),
+    virtual: int = 1,
+    weight_share: Sequence[float] | None = None,
 ) -> Timeline:
     """Simulate one step.
 
@@ -83,7 +85,8 @@ def simulate(
         fwd, bwd: per stage, the time of one micro-batch's forward / backward
             when it computes alone.
         micro_batches: m.
-        schedule: "gpipe" or "1f1b".
+        schedule: a name of :data:`~planner.plan.schedule.SIMULATED` ("gpipe",
+            "1f1b", "interleaved-1f1b", ...).
         link_fwd, link_bwd: per link s → s+1 (p − 1 of them), the time of one
             micro-batch's activation / gradient transfer. Default 0.
         sync: per stage, the tail after its last backward (tied exchange,
@@ -98,6 +101,10 @@ def simulate(
         join: groups of stages whose ``sync`` starts together, once every
             member has finished its last backward (they all-reduce the
             gradients of tied weights, a collective).
+        virtual: stages per rank (p / virtual ranks; ``speed`` counts ranks).
+        weight_share: per stage, the share of ``bwd`` the split backward's
+            ``W`` computes (``I`` the rest). Default ½: a linear layer's two
+            gradients cost a forward each (the profile does not measure it).
     """
     p, m = len(fwd), micro_batches
     if len(bwd) != p or p < 1 or m < 1:
@@ -110,14 +117,20 @@ def simulate(
         "link_fwd": _per(link_fwd, p - 1),
         "link_bwd": _per(link_bwd, p - 1),
     }
-    if len(values["link_fwd"]) != p - 1 or len(values["link_bwd"]) != p - 1:
+    sizes = [len(values[k]) for k in ("link_fwd", "link_bwd", "tail", "reduce")]
+    if sizes != [p - 1, p - 1, p, p]:
         raise ValueError("link_fwd/link_bwd need p − 1 entries, sync and reduce p entries")
-    if len(values["tail"]) != p or len(values["reduce"]) != p:
-        raise ValueError("link_fwd/link_bwd need p − 1 entries, sync and reduce p entries")
-    rate = list(speed) if speed is not None else [1.0] * p
-    if len(rate) != p or not all(r > 0 for r in rate):
-        raise ValueError(f"speed needs p = {p} entries, each > 0 (got {rate})")
-    graph = step_graph(schedule, p, m)
+    values["weight_share"] = list(weight_share) if weight_share is not None else [0.5] * p
+    if len(values["weight_share"]) != p or not all(0 <= w <= 1 for w in values["weight_share"]):
+        raise ValueError(f"weight_share needs p = {p} entries in [0, 1]")
+    ranks = p // virtual if virtual >= 1 and p % virtual == 0 else 0
+    rate = list(speed) if speed is not None else [1.0] * ranks
+    if not ranks or len(rate) != ranks or not all(r > 0 for r in rate):
+        raise ValueError(
+            f"speed needs one entry per rank ({p} stages / {virtual} per rank), each > 0 "
+            f"(got {rate})"
+        )
+    graph = step_graph(schedule, p, m, virtual)
     waits = joined_waits(graph, join)
     if any(r != 1.0 for r in rate):
         times = _shared(graph, values, rate, waits)
@@ -125,7 +138,7 @@ def simulate(
         times = longest_path(graph, values, waits)
     events = _events(graph, values, times)
     step = max((times[t][2] for t in graph.tails), default=0.0)
-    return Timeline(tuple(events), max(step, 0.0), p, m, schedule)
+    return Timeline(tuple(events), max(step, 0.0), p, m, schedule, ranks)
 
 
 def _per(values: Sequence[float] | None, n: int) -> list[float]:
@@ -146,6 +159,15 @@ def joined_waits(graph: StepGraph, join: Sequence[Sequence[int]]) -> dict[int, t
     return waits
 
 
+def _work(node: Node, values: Mapping[str, list[float]]) -> float:
+    """A compute node's time alone: its figure, or a split backward's part of it."""
+    work = values[node.compute][node.stage]
+    if node.part:
+        share = values["weight_share"][node.stage] if "weight_share" in values else 0.5
+        work *= share if node.part == "weight" else 1.0 - share
+    return work
+
+
 def _fixed(node_fixed: tuple[tuple[str, int], ...], values: Mapping[str, list[float]]) -> float:
     return sum(values[name][i] for name, i in node_fixed)
 
@@ -159,7 +181,7 @@ def longest_path(
         start = 0.0
         for u in waits.get(v, node.preds):
             start = max(start, times[u][2])
-        done = start + values[node.compute][node.stage] if node.compute else start
+        done = start + _work(node, values) if node.compute else start
         end = done + _fixed(node.fixed, values) if node.fixed else done
         times.append((start, done, end))
     return times
@@ -204,7 +226,7 @@ def _shared(
     while pending or running:
         for v in sorted(v for v, t in pending.items() if t <= now):
             del pending[v]
-            running[v] = [now, values[nodes[v].compute][nodes[v].stage]]
+            running[v] = [now, _work(nodes[v], values)]
         waiting = [t for t in pending.values() if t > now]
         if not running:
             now = min(waiting)

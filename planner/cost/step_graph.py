@@ -2,17 +2,20 @@
 
 [Note: the step graph] A step of a schedule (:mod:`planner.plan.schedule`) is
 a directed acyclic graph. Its nodes are the stages' actions (``F3`` / ``B3``
-on stage s), the transfers between neighbouring stages (``send_F`` on link
-s → s+1, ``send_B`` on link s → s−1) and each stage's tail (the tied
-weights' exchange and the optimizer step). An edge u → v says v starts after
-u ends:
+on stage s; a split backward's ``I3`` and ``W3``), the transfers between
+neighbouring stages on different ranks (``send_F`` on link s → s+1, ``send_B``
+on link s → s−1) and each stage's tail (the tied weights' exchange and the
+optimizer step). An edge u → v says v starts after u ends:
 
-* a stage runs its actions in the schedule's order (one at a time);
+* a rank runs its actions in the schedule's order (one at a time), torch's
+  order (one stage per rank unless the schedule runs ``virtual`` > 1);
 * a forward needs the previous stage's forward of that micro-batch, sent over
-  the link; a backward needs the next stage's backward, sent back (the last
-  stage: its own forward);
-* a link carries one transfer at a time, in the order the sender sends;
-* a stage's tail follows its last backward. Stages that all-reduce tied
+  the link (on the same rank: nothing to send); a backward (``B``, or the
+  input part ``I``) needs the next stage's, sent back (the last stage: its
+  own forward); a weight part ``W`` needs its stage's ``I``;
+* a link between two ranks carries one transfer at a time, in the order the
+  sender sends (forward and backward transfers alike);
+* a rank's tails follow its last action, one stage after another. Stages that all-reduce tied
   weights together (``join``) start their tails together, after every
   member's last backward: those edges depend on the placement and are added
   when the graph is run.
@@ -25,7 +28,8 @@ last backward), ``link_fwd`` / ``link_bwd``, ``tail``. With every speed 1 the
 step is the longest path through the graph, a max of sums of figures: the
 solver minimises exactly that (:mod:`planner.solve.step`).
 
-Pure: no torch.
+Imports no torch (each rank's order is torch's, through
+:func:`planner.plan.schedule.rank_actions`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import functools
 import heapq
 from dataclasses import dataclass
 
-from planner.plan.schedule import schedule_actions
+from planner.plan.schedule import rank_actions, stage_ranks
 
 __all__ = ["FIGURES", "Node", "StepGraph", "step_graph"]
 
@@ -47,7 +51,8 @@ class Node:
     """One timed node of a step.
 
     Attributes:
-        kind: "F", "B", "send_F", "send_B" or "tail".
+        kind: "F", "B", "I", "W" (a split backward's input and weight parts),
+            "send_F", "send_B" or "tail".
         stage: the stage it runs on (a send: the sending stage).
         micro_batch: the micro-batch (-1 for a tail).
         preds: the nodes it waits for (indices into :attr:`StepGraph.nodes`).
@@ -55,6 +60,8 @@ class Node:
         fixed: figures that take their full time after the compute, as
             (figure, stage or link) pairs: the last backward's ("reduce", s),
             a send's ("link_fwd", s) or ("link_bwd", s − 1), a tail's ("tail", s).
+        part: of a split backward, "input" or "weight": the share of ``bwd`` it
+            computes (``weight_share``); "" for the whole figure.
     """
 
     kind: str
@@ -63,6 +70,7 @@ class Node:
     preds: tuple[int, ...]
     compute: str
     fixed: tuple[tuple[str, int], ...]
+    part: str = ""
 
 
 @dataclass(frozen=True)
@@ -71,8 +79,9 @@ class StepGraph:
 
     Attributes:
         nodes: every node; each one's ``preds`` come before it.
-        last: per stage, its last action (the one that all-reduces, then the tail).
+        last: per stage, its last backward (the one that all-reduces).
         tails: per stage, its tail node; the step ends when the last tail does.
+        ranks: per stage, the rank it runs on (one per stage unless ``virtual`` > 1).
     """
 
     schedule: str
@@ -81,11 +90,16 @@ class StepGraph:
     nodes: tuple[Node, ...]
     last: tuple[int, ...]
     tails: tuple[int, ...]
+    ranks: tuple[int, ...] = ()
+
+
+Key = tuple[str, int, int]  # (kind, stage, micro-batch)
 
 
 @functools.lru_cache(maxsize=64)
-def step_graph(schedule: str, n_stages: int, micro_batches: int) -> StepGraph:
-    """The graph of one step of ``schedule`` (see [Note: the step graph]).
+def step_graph(schedule: str, n_stages: int, micro_batches: int, virtual: int = 1) -> StepGraph:
+    """The graph of one step of ``schedule`` over ``n_stages`` stages, ``virtual`` per
+    rank (see [Note: the step graph]).
 
     Example::
 
@@ -93,57 +107,72 @@ def step_graph(schedule: str, n_stages: int, micro_batches: int) -> StepGraph:
         [n.kind + str(n.micro_batch) for n in g.nodes][:3]   # ['F0', 'F1', 'send_F0']
     """
     p, m = n_stages, micro_batches
-    actions = schedule_actions(schedule, p, m)
-    keys: list[tuple[str, int, int]] = []  # (kind, stage, micro-batch) per node
-    preds: dict[tuple[str, int, int], list[tuple[str, int, int]]] = {}
-    for s, acts in enumerate(actions):
-        prev_f: tuple[str, int, int] | None = None
-        prev_b: tuple[str, int, int] | None = None
-        for t, act in enumerate(acts):
-            kind, k = act[0], int(act[1:])
+    if p % virtual:
+        raise ValueError(f"{p} stages do not divide into ranks of {virtual}")
+    actions = rank_actions(schedule, p // virtual, m, virtual)
+    on = stage_ranks(schedule, p // virtual, virtual)
+    grad = {(a.stage, a.micro_batch): a.kind for r in actions for a in r if a.kind in "BI"}
+    keys: list[Key] = []
+    preds: dict[Key, list[Key]] = {}
+    last: dict[int, Key] = {}  # per stage, its last B or W
+    sent: dict[tuple[int, int], Key] = {}  # per directed rank link, its last transfer
+
+    def send(kind: str, me: Key, to: int) -> None:
+        key, link = (kind, me[1], me[2]), (on[me[1]], on[to])
+        keys.append(key)
+        preds[key] = [me] + ([sent[link]] if link in sent else [])
+        sent[link] = key
+
+    for rank, acts in enumerate(actions):
+        for t, a in enumerate(acts):
+            kind, s, k = a
             me = (kind, s, k)
             keys.append(me)
-            need = [(acts[t - 1][0], s, int(acts[t - 1][1:]))] if t else []
+            need = [tuple(acts[t - 1])] if t else []
             if kind == "F" and s > 0:
-                need.append(("send_F", s - 1, k))
-            elif kind == "B" and s < p - 1:
-                need.append(("send_B", s + 1, k))
-            elif kind == "B":
+                need.append(("send_F", s - 1, k) if on[s - 1] != rank else ("F", s - 1, k))
+            elif kind in "BI" and s < p - 1:
+                nxt = (grad[(s + 1, k)], s + 1, k)
+                need.append(("send_B", s + 1, k) if on[s + 1] != rank else nxt)
+            elif kind in "BI":
                 need.append(("F", s, k))
-            preds[me] = need
-            if kind == "F" and s < p - 1:  # its activation goes to s + 1, after the last one
-                send = ("send_F", s, k)
-                keys.append(send)
-                preds[send] = [me] + ([prev_f] if prev_f else [])
-                prev_f = send
-            elif kind == "B" and s > 0:  # its gradient goes back to s − 1
-                send = ("send_B", s, k)
-                keys.append(send)
-                preds[send] = [me] + ([prev_b] if prev_b else [])
-                prev_b = send
-        tail = ("tail", s, -1)
-        keys.append(tail)
-        last = acts[-1]
-        preds[tail] = [(last[0], s, int(last[1:]))]
+            elif kind == "W":
+                need.append(("I", s, k))
+            preds[me] = need  # type: ignore[assignment]
+            if kind == "F" and s < p - 1 and on[s + 1] != rank:  # its activation goes to s + 1
+                send("send_F", me, s + 1)
+            elif kind in "BI" and s > 0 and on[s - 1] != rank:  # its gradient goes back to s − 1
+                send("send_B", me, s - 1)
+            if kind in "BW":
+                last[s] = me
+        prev: Key = tuple(acts[-1])  # type: ignore[assignment]
+        for s in (s for s in range(p) if on[s] == rank):  # a rank's tails, one after another
+            keys.append(("tail", s, -1))
+            preds[("tail", s, -1)] = [prev]
+            prev = ("tail", s, -1)
     order = _topological(keys, preds)
     index = {key: i for i, key in enumerate(order)}
+    reduce_at = set(last.values())
     nodes = tuple(
-        _node(key, tuple(dict.fromkeys(index[q] for q in preds[key])), actions, p) for key in order
+        _node(key, tuple(dict.fromkeys(index[q] for q in preds[key])), key in reduce_at)
+        for key in order
     )
-    last_of = tuple(index[(a[-1][0], s, int(a[-1][1:]))] for s, a in enumerate(actions))
+    last_of = tuple(index[last[s]] for s in range(p))
     tails = tuple(index[("tail", s, -1)] for s in range(p))
-    return StepGraph(schedule, p, m, nodes, last_of, tails)
+    return StepGraph(schedule, p, m, nodes, last_of, tails, on)
 
 
-def _node(
-    key: tuple[str, int, int], preds: tuple[int, ...], actions: list[list[str]], p: int
-) -> Node:
+_PART = {"I": "input", "W": "weight"}
+
+
+def _node(key: Key, preds: tuple[int, ...], reduces: bool) -> Node:
     kind, s, k = key
     if kind == "F":
         return Node(kind, s, k, preds, "fwd", ())
-    if kind == "B":
-        last = actions[s][-1] == f"B{k}"
-        return Node(kind, s, k, preds, "bwd", (("reduce", s),) if last else ())
+    if kind in "BIW":
+        return Node(
+            kind, s, k, preds, "bwd", (("reduce", s),) if reduces else (), _PART.get(kind, "")
+        )
     if kind == "send_F":
         return Node(kind, s, k, preds, "", (("link_fwd", s),))
     if kind == "send_B":
@@ -151,19 +180,17 @@ def _node(
     return Node(kind, s, k, preds, "", (("tail", s),))
 
 
-def _topological(
-    keys: list[tuple[str, int, int]], preds: dict[tuple[str, int, int], list[tuple[str, int, int]]]
-) -> list[tuple[str, int, int]]:
+def _topological(keys: list[Key], preds: dict[Key, list[Key]]) -> list[Key]:
     """Kahn's order, ties in creation order (stage by stage), so it is deterministic."""
     waiting = {key: len(preds[key]) for key in keys}
-    after: dict[tuple[str, int, int], list[tuple[str, int, int]]] = {key: [] for key in keys}
+    after: dict[Key, list[Key]] = {key: [] for key in keys}
     for key in keys:
         for q in preds[key]:
             after[q].append(key)
     rank = {key: i for i, key in enumerate(keys)}
     heap = [(rank[key], key) for key in keys if waiting[key] == 0]
     heapq.heapify(heap)
-    out: list[tuple[str, int, int]] = []
+    out: list[Key] = []
     while heap:
         _, key = heapq.heappop(heap)
         out.append(key)

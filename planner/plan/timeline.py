@@ -14,12 +14,15 @@ from typing import Any
 
 __all__ = ["ChromeTrace", "Event", "Timeline", "event_name"]
 
+_COMPUTE = ("F", "B", "I", "W")
+
 
 @dataclass(frozen=True)
 class Event:
     """One interval of the timeline (milliseconds from the step's start).
 
-    ``kind`` is "F", "B" (compute on ``stage``), "send_F" / "send_B" (a transfer
+    ``kind`` is "F", "B" (compute on ``stage``; a split backward: "I" for the
+    input, "W" for the weights), "send_F" / "send_B" (a transfer
     on the link leaving ``stage`` forward / backward), "reduce" (DDP's gradient
     all-reduce across the replicas, at the end of the last backward) or "tail"
     (after it: the tied weights' exchange, the optimizer step).
@@ -41,19 +44,20 @@ class Timeline:
     n_stages: int
     micro_batches: int
     schedule: str
+    n_ranks: int = 0  # the ranks the stages run on (0: one per stage)
 
     def busy_ms(self, stage: int) -> float:
         """Compute time of a stage (forward + backward)."""
-        return sum(e.end - e.start for e in self.events if e.stage == stage and e.kind in "FB")
+        return sum(e.end - e.start for e in self.events if e.stage == stage and e.kind in _COMPUTE)
 
     @property
     def compute_ms(self) -> float:
         """When the last forward or backward ends (the step before the all-reduce)."""
-        return max((e.end for e in self.events if e.kind in "FB"), default=0.0)
+        return max((e.end for e in self.events if e.kind in _COMPUTE), default=0.0)
 
     @property
     def bubble_fraction(self) -> float:
-        """Share of the stages' compute phase spent idle: 1 − Σ busy / (p · compute_ms).
+        """Share of the ranks' compute phase spent idle: 1 − Σ busy / (ranks · compute_ms).
 
         Idle time waiting on transfers counts as bubble; the final all-reduce does not.
         """
@@ -61,7 +65,7 @@ class Timeline:
         if span <= 0:
             return 0.0
         busy = sum(self.busy_ms(s) for s in range(self.n_stages))
-        return max(0.0, 1.0 - busy / (self.n_stages * span))
+        return max(0.0, 1.0 - busy / ((self.n_ranks or self.n_stages) * span))
 
 
 def event_name(e: Event) -> str:
