@@ -56,6 +56,8 @@ def replay(inputs: StepInputs) -> Timeline:
         speed=inputs.speed,
         reduce=inputs.reduce_ms,
         join=inputs.join,
+        virtual=inputs.virtual,
+        weight_share=inputs.weight_share or None,
     )
 
 

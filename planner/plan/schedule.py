@@ -97,11 +97,11 @@ def schedule_problem(
     if schedule not in SIMULATED:
         return (f"unknown schedule {schedule!r}", f"choose one of {', '.join(SIMULATED)}")
     if schedule in _SINGLE and v != 1:
-        return (f"{schedule} runs one stage per rank (v {v})", "--virtual-stages 1")
+        return (f"{schedule} runs one stage per rank (v {v})", "layout.virtual: 1")
     if schedule in _TWO and v != 2:
-        return (f"{schedule} runs exactly two stages per rank (v {v})", "--virtual-stages 2")
+        return (f"{schedule} runs exactly two stages per rank (v {v})", "layout.virtual: 2")
     if schedule not in _SINGLE and schedule not in _TWO and v < 1:
-        return (f"{schedule} needs v ≥ 1 stages per rank (v {v})", "--virtual-stages 2")
+        return (f"{schedule} needs v ≥ 1 stages per rank (v {v})", "layout.virtual: 2")
     if schedule == "1f1b" and m < p:
         # torch's Schedule1F1B needs a micro-batch per stage in flight.
         return (

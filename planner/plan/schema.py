@@ -47,6 +47,7 @@ from planner.plan.choice import ChoiceRecord
 from planner.plan.codec import decode, encode
 from planner.plan.formats import PLAN_VERSION, upgrade
 from planner.plan.records import ModelProfile
+from planner.plan.schedule import schedule_problem, stage_ranks
 from planner.plan.sections import (
     Candidate,
     ClusterRecord,
@@ -101,6 +102,16 @@ class Plan:
         return self.layout.dp
 
     @property
+    def virtual(self) -> int:
+        """Stages per pipeline rank (``len(stages) == pp · virtual``)."""
+        return self.layout.virtual
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """Per stage, the pipeline rank (0 … pp − 1) that runs it."""
+        return stage_ranks(self.schedule, self.pp, self.virtual)
+
+    @property
     def global_batch(self) -> int:
         return self.training.global_batch
 
@@ -137,7 +148,8 @@ class Plan:
         return [s.split_point for s in self.stages[1:]]
 
     def ranks(self) -> list[list[int]]:
-        """``ranks()[r][s]``: the rank running stage s of replica r."""
+        """``ranks()[r][s]``: the rank running stage s of replica r (the same rank for
+        the stages of one pipeline rank)."""
         return [[st.ranks[r] for st in self.stages] for r in range(self.dp)]
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,10 +186,19 @@ def check_consistent(plan: Plan, path: str) -> None:
     def err(msg: str) -> PlanError:
         return PlanError(f"{path}: {msg}")
 
-    if plan.pp < 1 or plan.dp < 1:
-        raise err(f"layout.pp and layout.dp must be ≥ 1 (got {plan.pp}, {plan.dp})")
-    if len(plan.stages) != plan.pp:
-        raise err(f"layout.pp is {plan.pp} but stages lists {len(plan.stages)} stages")
+    if plan.pp < 1 or plan.dp < 1 or plan.virtual < 1:
+        raise err(
+            f"layout.pp, layout.dp and layout.virtual must be ≥ 1 "
+            f"(got {plan.pp}, {plan.dp}, {plan.virtual})"
+        )
+    if len(plan.stages) != plan.pp * plan.virtual:
+        raise err(
+            f"layout.pp × layout.virtual is {plan.pp} × {plan.virtual} but stages lists "
+            f"{len(plan.stages)} stages"
+        )
+    problem = schedule_problem(plan.schedule, plan.pp, plan.micro_batches, plan.virtual)
+    if problem is not None and plan.virtual > 1:
+        raise err(f"training.schedule: {problem[0]}; fix: {problem[1]}")
     tr = plan.training
     small = [
         f"training.{key} {getattr(tr, key)}"
@@ -194,7 +215,23 @@ def check_consistent(plan: Plan, path: str) -> None:
             f"training.global_batch {tr.global_batch} ≠ dp × micro_batches × "
             f"micro_batch_size = {plan.dp} × {tr.micro_batches} × {tr.micro_batch_size}"
         )
+    prev_end = _check_stages(plan, err)
+    if plan.profiles and prev_end != len(plan.profiles[0].blocks):
+        raise err(
+            f"the stages cover blocks 0..{prev_end - 1} but the profile has "
+            f"{len(plan.profiles[0].blocks)} blocks"
+        )
+    if plan.step is not None:
+        _check_step(plan.step, plan, err)
+    _check_solver(plan, err)
+    _check_choice(plan, err)
+
+
+def _check_stages(plan: Plan, err: Callable[[str], PlanError]) -> int:
+    """Each stage's index, blocks, split point, modules and ranks; returns where they end."""
     seen: set[int] = set()
+    held: dict[int, tuple[int, ...]] = {}  # per pipeline rank, its devices
+    on = plan.stage_ranks
     prev_end = 0
     for k, st in enumerate(plan.stages):
         where = f"stages[{k}]"
@@ -211,24 +248,25 @@ def check_consistent(plan: Plan, path: str) -> None:
         if k > 0 and not st.split_point:
             raise err(f"{where}.split_point is empty; every stage after the first needs one")
         _check_stage_modules(plan, k, err)
+        if on[k] in held:  # another stage of the same pipeline rank: the same devices
+            if tuple(st.ranks) != held[on[k]]:
+                raise err(
+                    f"{where}.ranks {list(st.ranks)} differ from {list(held[on[k]])}, those of "
+                    f"the other stages of pipeline rank {on[k]} ({plan.schedule}, "
+                    f"{plan.virtual} stages per rank)"
+                )
+            continue
         dup = seen & set(st.ranks)
         if dup:
             raise err(f"{where}.ranks reuses rank(s) {sorted(dup)} already used by another stage")
         seen |= set(st.ranks)
+        held[on[k]] = tuple(st.ranks)
     if seen != set(range(plan.world_size)):
         raise err(
             f"the stages' ranks must be exactly 0..{plan.world_size - 1} "
             f"(pp × dp = {plan.pp} × {plan.dp}); got {sorted(seen)}"
         )
-    if plan.profiles and prev_end != len(plan.profiles[0].blocks):
-        raise err(
-            f"the stages cover blocks 0..{prev_end - 1} but the profile has "
-            f"{len(plan.profiles[0].blocks)} blocks"
-        )
-    if plan.step is not None:
-        _check_step(plan.step, plan, err)
-    _check_solver(plan, err)
-    _check_choice(plan, err)
+    return prev_end
 
 
 def _check_stage_modules(plan: Plan, k: int, err: Callable[[str], PlanError]) -> None:
@@ -309,18 +347,25 @@ def _check_choice(plan: Plan, err: Callable[[str], PlanError]) -> None:
 
 
 def _check_step(step: StepInputs, plan: Plan, err: Callable[[str], PlanError]) -> None:
-    p = plan.pp
-    if (step.schedule, step.micro_batches) != (plan.schedule, plan.micro_batches):
+    p = len(plan.stages)
+    if (step.schedule, step.micro_batches, step.virtual) != (
+        plan.schedule,
+        plan.micro_batches,
+        plan.virtual,
+    ):
         raise err(
-            f"step is for {step.schedule} with {step.micro_batches} micro-batches, the plan "
-            f"trains {plan.schedule} with {plan.micro_batches}"
+            f"step is for {step.schedule} with {step.micro_batches} micro-batches and "
+            f"{step.virtual} stage(s) per rank, the plan trains {plan.schedule} with "
+            f"{plan.micro_batches} and {plan.virtual}"
         )
     want = {"fwd_ms": p, "bwd_ms": p, "link_fwd_ms": p - 1, "link_bwd_ms": p - 1}
-    want |= {"reduce_ms": p, "tail_ms": p, "speed": p}
+    want |= {"reduce_ms": p, "tail_ms": p, "speed": plan.pp}
+    if step.weight_share:
+        want["weight_share"] = p
     for name, n in want.items():
         got = len(getattr(step, name))
         if got != n:
-            raise err(f"step.{name} has {got} entries, expected {n} (pp = {p})")
+            raise err(f"step.{name} has {got} entries, expected {n} ({p} stages, pp {plan.pp})")
     if not all(x > 0 for x in step.speed):
         raise err(f"step.speed entries must be > 0, got {list(step.speed)}")
     bad = sorted({s for group in step.join for s in group if not 0 <= s < p})
@@ -330,8 +375,9 @@ def _check_step(step: StepInputs, plan: Plan, err: Callable[[str], PlanError]) -
 
 def plan_summary(plan: Plan) -> str:
     """One line: 'pp 2 × dp 4, 8 micro-batches (gpipe), 123.4 ms/step'."""
+    sched = plan.schedule + (f", {plan.virtual} stages per rank" if plan.virtual > 1 else "")
     return (
-        f"pp {plan.pp} × dp {plan.dp}, {plan.micro_batches} micro-batches ({plan.schedule}), "
+        f"pp {plan.pp} × dp {plan.dp}, {plan.micro_batches} micro-batches ({sched}), "
         f"{plan.predicted.step_ms:.1f} ms/step"
     )
 

@@ -143,10 +143,17 @@ class TrainingPlan(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class LayoutPlan(Record):
-    """Pipeline depth × data-parallel width."""
+    """Pipeline depth × data-parallel width, and the stages each pipeline rank runs.
+
+    ``pp`` is the devices of one replica (its pipeline ranks); ``virtual`` the
+    stages each of them runs (1 unless the schedule is a multi-stage one:
+    ``planner.plan.schedule``), so a replica has pp · virtual stages; stage i
+    runs on pipeline rank ``stage_ranks(schedule, pp, virtual)[i]``.
+    """
 
     pp: int
     dp: int
+    virtual: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,6 +242,9 @@ class StepInputs(Record):
             stages compute at once (1.0: as fast as alone).
         join: groups of stages whose tails start together (they all-reduce
             the gradients of tied weights).
+        virtual: stages per pipeline rank (``speed`` then counts ranks).
+        weight_share: per stage, the share of ``bwd_ms`` a split backward's
+            weight part computes (empty: ½, the simulator's default).
     """
 
     schedule: str
@@ -247,6 +257,8 @@ class StepInputs(Record):
     tail_ms: tuple[float, ...]
     speed: tuple[float, ...]
     join: tuple[tuple[int, ...], ...] = ()
+    virtual: int = 1
+    weight_share: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

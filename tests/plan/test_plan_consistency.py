@@ -164,3 +164,56 @@ def test_a_stage_without_modules_loads_only_where_its_blocks_have_none(
         emptied(d)
 
     assert _load_edited(plan, tmp_path, without_profile).stages[1].modules == ()
+
+
+@pytest.fixture(scope="module")
+def four() -> Plan:
+    """The tower on 4 devices, 4 stages (pp 4 × dp 1): made into pp 2 × 2 stages per rank."""
+    return tower_plan(4, pp=4, dp=1, micro_batches=4)
+
+
+def _interleaved(d: dict[str, Any]) -> None:
+    """pp 4 → pp 2 with 2 stages per rank: stages 0, 2 on the devices of 0, 1, 3 on 1's."""
+    d["layout"] |= {"pp": 2, "virtual": 2}
+    d["training"]["schedule"] = "interleaved-1f1b"
+    d.pop("step")
+    for k, st in enumerate(d["stages"]):
+        st["ranks"] = [k % 2]
+
+
+def test_a_plan_of_two_stages_per_rank_loads_and_says_so(four: Plan, tmp_path: Path) -> None:
+    from planner.plan.schema import plan_summary
+
+    got = _load_edited(four, tmp_path, _interleaved)
+    assert (got.pp, got.virtual, len(got.stages), got.world_size) == (2, 2, 4, 2)
+    assert got.stage_ranks == (0, 1, 0, 1)
+    assert got.ranks() == [[0, 1, 0, 1]]
+    assert "(interleaved-1f1b, 2 stages per rank)" in plan_summary(got)
+    assert four.virtual == 1 and "virtual: 1" in yaml.safe_dump(four.to_dict())
+
+
+def test_stages_of_one_pipeline_rank_must_share_its_devices(four: Plan, tmp_path: Path) -> None:
+    def moved(d: dict[str, Any]) -> None:
+        _interleaved(d)
+        d["stages"][2]["ranks"] = [1]
+
+    msg = _refused(four, tmp_path, moved)
+    assert (
+        "stages[2].ranks [1] differ from [0], those of the other stages of pipeline rank 0" in msg
+    )
+
+
+def test_a_one_stage_schedule_with_several_stages_per_rank_is_refused(
+    four: Plan, tmp_path: Path
+) -> None:
+    def one_stage(d: dict[str, Any]) -> None:
+        _interleaved(d)
+        d["training"]["schedule"] = "1f1b"
+
+    msg = _refused(four, tmp_path, one_stage)
+    assert "training.schedule: 1f1b runs one stage per rank (v 2); fix: layout.virtual: 1" in msg
+
+
+def test_the_stage_count_is_pp_times_virtual(four: Plan, tmp_path: Path) -> None:
+    msg = _refused(four, tmp_path, lambda d: (_interleaved(d), d["layout"].update(virtual=3)))
+    assert "layout.pp × layout.virtual is 2 × 3 but stages lists 4 stages" in msg
