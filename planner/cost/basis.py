@@ -18,7 +18,7 @@ from itertools import accumulate
 from planner.devices.cluster import Cluster
 from planner.options import OPTIMIZERS, PRECISIONS, Training
 from planner.plan.records import DTYPE_BYTES, ModelProfile
-from planner.plan.schedule import SCHEDULES, in_flight
+from planner.plan.schedule import SIMULATED, in_flight, schedule_problem, stage_ranks
 
 __all__ = ["BlockTable", "CostBasis", "Layout", "RangeMax", "state_bytes", "wire_bytes"]
 
@@ -56,7 +56,9 @@ class Layout:
 
     Attributes:
         pp, dp, micro_batches, schedule: as named.
-        ranks: ``ranks[s][r]`` is the cluster rank running stage s of replica r.
+        ranks: ``ranks[s][r]`` is the cluster rank running stage s of replica r
+            (the stages of one pipeline rank: the same ranks).
+        virtual: stages per pipeline rank; the layout has ``pp · virtual`` stages.
     """
 
     pp: int
@@ -64,14 +66,37 @@ class Layout:
     micro_batches: int
     schedule: str
     ranks: tuple[tuple[int, ...], ...]
+    virtual: int = 1
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
+        if self.schedule not in SIMULATED:
             raise ValueError(
-                f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"
+                f"unknown schedule {self.schedule!r}; choose one of {', '.join(SIMULATED)}"
             )
-        if len(self.ranks) != self.pp or any(len(r) != self.dp for r in self.ranks):
-            raise ValueError(f"ranks must be {self.pp} stages × {self.dp} replicas")
+        problem = schedule_problem(self.schedule, self.pp, self.micro_batches, self.virtual)
+        if problem is not None and self.virtual > 1:
+            raise ValueError(f"{problem[0]}; fix: {problem[1]}")
+        n = self.n_stages
+        if len(self.ranks) != n or any(len(r) != self.dp for r in self.ranks):
+            raise ValueError(f"ranks must be {n} stages × {self.dp} replicas")
+        on = self.stage_ranks if self.virtual > 1 else ()
+        for s in range(len(on)):
+            first = on.index(on[s])
+            if self.ranks[s] != self.ranks[first]:
+                raise ValueError(
+                    f"stage {s} runs on pipeline rank {on[s]}, as stage {first}: they need the "
+                    f"same ranks (got {list(self.ranks[s])} and {list(self.ranks[first])})"
+                )
+
+    @property
+    def n_stages(self) -> int:
+        """pp · virtual."""
+        return self.pp * self.virtual
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """Per stage, the pipeline rank (0 … pp − 1) running it."""
+        return stage_ranks(self.schedule, self.pp, self.virtual)
 
     def micro_batch_size(self, global_batch: int) -> int:
         per = self.dp * self.micro_batches
@@ -84,7 +109,7 @@ class Layout:
 
     def in_flight(self, stage: int) -> int:
         """Micro-batches whose activations stage ``stage`` holds at its peak."""
-        return in_flight(self.schedule, self.pp, self.micro_batches, stage)
+        return in_flight(self.schedule, self.pp, self.micro_batches, stage, self.virtual)
 
 
 class RangeMax:
@@ -164,7 +189,7 @@ class CostBasis:
         self.micro_batch_size = layout.micro_batch_size(training.global_batch)
         self.stage_types = [
             sorted({cluster.devices[r].device.key for r in layout.ranks[s]})
-            for s in range(layout.pp)
+            for s in range(layout.n_stages)
         ]
         missing = {t for ts in self.stage_types for t in ts} - set(profiles)
         if missing:
@@ -198,7 +223,7 @@ class CostBasis:
         self.capacity = [
             min(cluster.devices[r].device.memory_bytes for r in layout.ranks[s])
             * (1 - training.memory_headroom)
-            for s in range(layout.pp)
+            for s in range(layout.n_stages)
         ]
         # (owner block, bytes, user blocks) of each tied set.
         self.tied = [(min(t.blocks), float(t.nbytes), t.blocks) for t in any_prof.tied if t.blocks]

@@ -25,6 +25,7 @@ from planner.cost.step_time import closed_form
 from planner.devices.cluster import Cluster
 from planner.options import Training
 from planner.plan.records import ModelProfile
+from planner.plan.schedule import SCHEDULES
 from planner.plan.sections import StepInputs
 from planner.plan.timeline import Timeline
 
@@ -59,10 +60,21 @@ class Prediction:
     samples_per_s: float
     inputs: StepInputs
     timeline: Timeline
+    stage_ranks: tuple[int, ...] = ()
+    rank_memory: tuple[float, ...] = ()
+    """With several stages per rank: per stage its pipeline rank, and per pipeline rank
+    the peak bytes of its stages together (each stage's peak, summed: an upper bound)."""
 
     @property
     def fits(self) -> bool:
-        return all(s.memory.total <= s.capacity for s in self.stages)
+        """Every device holds its stages: with several stages per rank (``rank_memory``),
+        their sum."""
+        if not self.rank_memory:
+            return all(s.memory.total <= s.capacity for s in self.stages)
+        caps: dict[int, float] = {}
+        for s, r in zip(self.stages, self.stage_ranks, strict=True):
+            caps[r] = s.capacity
+        return all(total <= caps[r] for r, total in enumerate(self.rank_memory))
 
 
 class CostModel:
@@ -182,7 +194,7 @@ class CostModel:
         labels: dict[tuple[object, ...], int] = {}
         cluster, layout = self.cluster, self.layout
         out = []
-        for s in range(layout.pp):
+        for s in range(layout.n_stages):
             ranks = layout.ranks[s]
             kinds = frozenset(
                 (cluster.devices[r].device, cluster.devices[r].threads) for r in ranks
@@ -201,7 +213,7 @@ class CostModel:
         times = self.time_classes()
         return [
             labels.setdefault((times[s], self.layout.in_flight(s)), len(labels))
-            for s in range(self.layout.pp)
+            for s in range(self.layout.n_stages)
         ]
 
     # ----------------------------------------------------------------- prediction
@@ -209,19 +221,22 @@ class CostModel:
     def predict(self, starts: Sequence[int]) -> Prediction:
         """Per-stage figures and the simulated step of the placement ``starts``."""
         bounds = self._bounds(starts)
-        stages = tuple(self._stage(s, bounds[s], bounds[s + 1]) for s in range(self.layout.pp))
-        closed = closed_form(
-            fwd=[x.fwd_ms for x in stages],
-            bwd=[x.bwd_ms for x in stages],
-            micro_batches=self.layout.micro_batches,
-            schedule=self.layout.schedule,
-            link_fwd=[x.send_fwd_ms for x in stages[:-1]],
-            link_bwd=[x.send_bwd_ms for x in stages[:-1]],
-            sync=[x.sync_ms for x in stages],
-        )
+        n = self.layout.n_stages
+        stages = tuple(self._stage(s, bounds[s], bounds[s + 1]) for s in range(n))
         inputs = self._inputs(stages, bounds)
         timeline = replay(inputs)
         step = timeline.step_ms
+        closed = step  # a multi-stage schedule has no closed form: its simulation
+        if self.layout.virtual == 1 and self.layout.schedule in SCHEDULES:
+            closed = closed_form(
+                fwd=[x.fwd_ms for x in stages],
+                bwd=[x.bwd_ms for x in stages],
+                micro_batches=self.layout.micro_batches,
+                schedule=self.layout.schedule,
+                link_fwd=[x.send_fwd_ms for x in stages[:-1]],
+                link_bwd=[x.send_bwd_ms for x in stages[:-1]],
+                sync=[x.sync_ms for x in stages],
+            )
         return Prediction(
             stages=stages,
             step_ms=step,
@@ -230,14 +245,25 @@ class CostModel:
             samples_per_s=self.training.global_batch / (step / 1e3) if step > 0 else math.inf,
             inputs=inputs,
             timeline=timeline,
+            **self._per_rank(stages),
         )
+
+    def _per_rank(self, stages: Sequence[StagePrediction]) -> dict[str, tuple]:
+        """With several stages per rank: each stage's rank, each rank's summed peak."""
+        if self.layout.virtual == 1:
+            return {}
+        on = self.layout.stage_ranks
+        total = [0.0] * self.layout.pp
+        for st, r in zip(stages, on, strict=True):
+            total[r] += st.memory.total
+        return {"stage_ranks": on, "rank_memory": tuple(total)}
 
     def step_ms(self, starts: Sequence[int]) -> float:
         """``predict(starts).step_ms``, the same number, with each segment's figures
         computed once (what the step solver evaluates, thousands of times)."""
         bounds = self._bounds(starts)
         stages = []
-        for s in range(self.layout.pp):
+        for s in range(self.layout.n_stages):
             key = (s, bounds[s], bounds[s + 1])
             if key not in self._stages:
                 self._stages[key] = self._stage(*key)
@@ -245,18 +271,18 @@ class CostModel:
         return replay(self._inputs(stages, bounds)).step_ms
 
     def _bounds(self, starts: Sequence[int]) -> list[int]:
-        pp = self.layout.pp
+        n = self.layout.n_stages
         bounds = [*starts, self.n_blocks]
-        if len(starts) != pp or starts[0] != 0:
-            raise ValueError(f"starts must have {pp} entries beginning with 0")
-        for s in range(pp):
+        if len(starts) != n or starts[0] != 0:
+            raise ValueError(f"starts must have {n} entries beginning with 0")
+        for s in range(n):
             if not bounds[s] < bounds[s + 1]:
                 raise ValueError(f"stage {s} is empty (starts {list(starts)})")
         return bounds
 
     def _stage(self, s: int, i: int, j: int) -> StagePrediction:
         rc = self.recompute(s, i, j)
-        last = s == self.layout.pp - 1
+        last = s == self.layout.n_stages - 1
         f, b = (0.0, 0.0) if last else self.time.cut(s, j)
         return StagePrediction(
             index=s,
@@ -288,4 +314,5 @@ class CostModel:
             tail_ms=tuple(x.sync_ms - r for x, r in zip(stages, reduce, strict=True)),
             speed=tuple(self.time.speeds),
             join=tuple(tuple(g) for g in self.time.joined(bounds)),
+            virtual=self.layout.virtual,
         )

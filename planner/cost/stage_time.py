@@ -295,7 +295,7 @@ class StageTime:
             return 0.0
         grads = nbytes / b.param_elem * b.grads_b
         me = b.layout.ranks[s][0]
-        others = [b.layout.ranks[o][0] for o in range(b.layout.pp) if o != s]
+        others = {b.layout.ranks[o][0] for o in range(b.layout.n_stages)} - {me}
         worst = max(
             (b.cluster.allreduce_time((o, me), grads) + 2 * self.wakeup_s for o in others),
             default=0.0,
@@ -313,7 +313,7 @@ class StageTime:
         groups: list[set[int]] = []
         for _, _, users in b.tied:
             stages = {
-                s for s in range(b.layout.pp) for u in users if bounds[s] <= u < bounds[s + 1]
+                s for s in range(b.layout.n_stages) for u in users if bounds[s] <= u < bounds[s + 1]
             }
             if len(stages) < 2:
                 continue
