@@ -1,5 +1,5 @@
 """Cost-model accuracy, uncalibrated and calibrated, through the product's own commands:
-python -m bench calibration [--quick] [--models a,b] [--launches N]
+python -m bench calibration [--quick] [--models a,b] [--launches N] [--keep DIR] [--merge]
 
 For each model (the bundled examples, and models of the zoo from transformers,
 torchvision and timm: ``tests/zoo``) and each layout (pp, dp, m) of ``CONFIGS``
@@ -30,7 +30,9 @@ held-out predictions: other layouts, or the same layout's other launches
 Error = (predicted − measured) / measured. The summary: median |error| and
 the worst, uncalibrated and calibrated (time), and memory, over every case.
 The load average before the run and each launch's are recorded. Writes
-bench/results/calibration.json.
+bench/results/calibration.json; ``--merge`` replaces only the models run in
+it (a rerun of some), the summary recomputed over all cases; ``--keep DIR``
+keeps the plans and measurement files.
 """
 
 from __future__ import annotations
@@ -190,11 +192,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"models {', '.join(QUICK_MODELS)}")
     ap.add_argument("--models", default=None, help="comma-separated names of MODELS")
     ap.add_argument("--launches", type=int, default=4, help="timed launches per case (≥ 3)")
+    ap.add_argument("--keep", default=None, help="keep the plans and measurements in this folder")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="replace only these models' cases in the results file (a rerun of some models)",
+    )
     ns = ap.parse_args(argv)
     names = ns.models.split(",") if ns.models else (QUICK_MODELS if ns.quick else list(MODELS))
     started, load0 = time.perf_counter(), _load()
     rows, cases = [], []
-    with tempfile.TemporaryDirectory(prefix="bench-calibration-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-calibration-") as scratch:
+        tmp = ns.keep or scratch
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for name in names:
             done = {c: _case(name, *c, ns.launches, Path(tmp)) for c in CONFIGS}
             fits = _fits(done)
@@ -220,6 +230,14 @@ def main(argv: list[str] | None = None) -> int:
          "mem err"],
         rows,
     )  # fmt: skip
+    command = "python -m bench calibration " + " ".join(argv or sys.argv[1:])
+    earlier: list[str] = []
+    if ns.merge and OUT.exists():
+        old = json.loads(OUT.read_text())
+        kept = [c for c in old["cases"] if c["model"] not in names]
+        cases = kept + cases
+        earlier = [*old.get("earlier_commands", []), old["command"]]
+        print(f"merged with {len(kept)} cases of {OUT.name} ({old['command']})")
     summary = {
         "time_uncalibrated": _stats([c["error"] for c in cases]),
         "time_calibrated": _stats([c["calibrated_error"] for c in cases]),
@@ -229,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k}: median |error| {v['median_abs']:.1%}, worst {v['worst']:+.1%} ({v['n']})")
     print(ERROR_CONVENTION)
     data = {
-        "command": "python -m bench calibration " + " ".join(argv or sys.argv[1:]),
+        "command": command,
+        "earlier_commands": earlier,
         "load_before": load0,
         "wall_s": time.perf_counter() - started,
         "launches": ns.launches,

@@ -231,8 +231,11 @@ def _throughput(cost: CostModel, prices: _Prices) -> list[Row]:
 
 
 def _node(node: Node) -> GraphNode:
-    """A step-graph node as the solver's: its figures as (stage or link, figure, 1)."""
-    seg: list[Term] = [(node.stage, _SEG[node.compute], 1.0)] if node.compute else []
+    """A step-graph node as the solver's: its figures as (stage or link, figure, coefficient):
+    1, or for a split backward's part ½ of ``bwd`` (the simulator's default weight share,
+    which the cost model's step inputs keep)."""
+    share = 0.5 if node.part else 1.0
+    seg: list[Term] = [(node.stage, _SEG[node.compute], share)] if node.compute else []
     cut: list[Term] = []
     for name, i in node.fixed:
         if name in _SEG:

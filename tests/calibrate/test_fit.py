@@ -181,3 +181,27 @@ def test_the_report_gives_before_after_and_measured(gpu_plan: Plan) -> None:
     check = fmt_error(gpu_plan.predicted.step_ms, run.step_ms, 1)  # the new plan's prediction
     assert "measured (--check" in text and f"error {check}" in text
     assert text.splitlines()[-1] == ERROR_CONVENTION
+
+
+def test_the_compute_scale_stays_within_its_range_when_times_ignore_the_profile(
+    cpu_plan: Plan,
+) -> None:
+    """Four points whose measured times hardly follow the profiled ones (a U-Net's pipelined
+    run): least squares gives a slope near 0; the fit keeps SCALE_RANGE's floor. Points that
+    do follow are fitted as they are."""
+    from planner.calibrate.compute import SCALE_RANGE, Action, compute_scales
+
+    raw = plan_cost_model(cpu_plan)
+    flat = [
+        Action(s, "cpu", kind, ms, profiled, 0.0)
+        for s, kind, profiled, ms in [(0, "F", 1.0, 10.0), (0, "B", 2.0, 10.1),
+                                      (1, "F", 4.0, 10.0), (1, "B", 8.0, 10.2)]
+    ]  # fmt: skip
+    _, scales, _ = compute_scales(cpu_plan, flat, ["cpu"], raw, (1.0, 0.0))
+    assert scales["cpu"][0] == SCALE_RANGE[0]
+    steep = [dataclasses.replace(a, ms=1.3 * a.profiled) for a in flat]
+    _, scales, _ = compute_scales(cpu_plan, steep, ["cpu"], raw, (1.0, 0.0))
+    assert scales["cpu"][0] == pytest.approx(1.3, rel=1e-6)
+    huge = [dataclasses.replace(a, ms=9.0 * a.profiled) for a in flat]
+    _, scales, _ = compute_scales(cpu_plan, huge, ["cpu"], raw, (1.0, 0.0))
+    assert scales["cpu"][0] == SCALE_RANGE[1]
