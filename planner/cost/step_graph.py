@@ -15,10 +15,10 @@ optimizer step). An edge u → v says v starts after u ends:
   own forward); a weight part ``W`` needs its stage's ``I``;
 * a link between two ranks carries one transfer at a time, in the order the
   sender sends (forward and backward transfers alike);
-* a rank's tails follow its last action, one stage after another. Stages that all-reduce tied
-  weights together (``join``) start their tails together, after every
-  member's last backward: those edges depend on the placement and are added
-  when the graph is run.
+* a rank's tails follow its last action, one stage after another. Stages
+  that all-reduce tied weights together (``join``) start their tails
+  together, after every member's last backward: those edges depend on the
+  placement and are added when the graph is run.
 
 Each node's duration is a sum of *figures* of one stage or link, named as in
 :class:`~planner.plan.sections.StepInputs`: ``fwd`` / ``bwd`` (compute, which

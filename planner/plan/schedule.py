@@ -25,12 +25,13 @@ single-stage classes (GPipe, 1F1B) run hand-written loops instead, and their
 ``pipeline_order`` is not what those loops run (torch 2.13's 1F1B one skips
 the last stage's micro-batch 0 and adds a micro-batch m): for these two the
 order is written out below, as the loops run it (a test runs torch's loop on
-a recording stand-in stage and compares). Schedules with several stages per rank (``v``
-virtual stages: Interleaved 1F1B, Looped BFS, the zero-bubble ones) place
-stage ``i`` on rank ``i mod pp`` ("loop"), or, for the V schedules (ZB-V,
-DualPipeV), down the ranks and back up ("v": stages 0 and 2·pp − 1 on rank 0).
-DualPipeV's overlapped forward-backward pairs are taken as their two parts in
-order (the overlap itself is not priced).
+a recording stand-in stage and compares). Schedules with several stages per
+rank (``v`` virtual stages: Interleaved 1F1B, Looped BFS, the zero-bubble
+ones; Interleaved ZB at v = 1 is the zero-bubble paper's ZB-1p) place stage
+``i`` on rank ``i mod pp`` ("loop"), or, for the V schedules (ZB-V,
+DualPipeV), down the ranks and back up ("v": stages 0 and 2·pp − 1 on rank
+0). DualPipeV's overlapped forward-backward pairs are taken as their two
+parts in order (the overlap itself is not priced).
 
 ``SCHEDULES`` are those the planner searches and the runtime runs;
 ``SIMULATED`` adds those the simulator prices so far.
