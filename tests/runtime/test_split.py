@@ -162,36 +162,3 @@ def test_stages_send_contiguous_tensors_and_clone_what_they_write_into() -> None
     out.sum().backward()
     assert all(t.grad is not None and t.grad.is_contiguous() for t in leaves)
     torch.testing.assert_close(out, model(x))
-
-
-def test_the_stages_run_their_generated_code_with_the_same_values() -> None:
-    """[Note: the stages run generated code]: no stage module is interpreted node by node,
-    and forward and backward give what the interpreted stages give."""
-    from torch.export.unflatten import InterpreterModule
-
-    from runtime.split.pipeline import compiled, split_pipeline
-
-    torch.manual_seed(0)
-    gpt = build("gpt")
-    x, _ = batch("gpt", 2, 0)
-    pipe, _ = split_pipeline(gpt, ["blocks.1"], ((x,), {}))
-    inner = [m for m in pipe.split_gm.modules() if isinstance(m, InterpreterModule)]
-    assert inner and not any(m._run_with_interpreter for m in inner)
-
-    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        pipe.split_gm.zero_grad()
-        out = pipe(x)[0]
-        out.float().square().mean().backward()
-        return out.detach(), [
-            p.grad.clone() for p in pipe.split_gm.parameters() if p.grad is not None
-        ]
-
-    out, grads = run()
-    for m in inner:
-        m._run_with_interpreter = True
-    ref, ref_grads = run()
-    torch.testing.assert_close(out, ref)
-    assert len(grads) == len(ref_grads) > 0
-    for g, r in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, r)
-    assert compiled(pipe.split_gm) == len(inner)  # the count of modules it switched
