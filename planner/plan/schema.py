@@ -191,6 +191,8 @@ def check_consistent(plan: Plan, path: str) -> None:
             f"layout.pp, layout.dp and layout.virtual must be ≥ 1 "
             f"(got {plan.pp}, {plan.dp}, {plan.virtual})"
         )
+    if len(plan.stages) != plan.pp and plan.virtual == 1:
+        raise err(f"layout.pp is {plan.pp} but stages lists {len(plan.stages)} stages")
     if len(plan.stages) != plan.pp * plan.virtual:
         raise err(
             f"layout.pp × layout.virtual is {plan.pp} × {plan.virtual} but stages lists "
