@@ -13,9 +13,14 @@ torch's Interleaved ZB, ZB-V and DualPipeV split each backward into the input's
 (I) and the weights' (W). Their W runs ``backward_weight_one_chunk``, outside
 ``DistributedDataParallel``'s autograd hooks, so with dp > 1 the replicas'
 gradients are never all-reduced (pytorch/pytorch#144530): each replica would
-train on its own shard and drift apart, silently. They are refused at every dp
-until a parity test here proves them right at dp = 1 (none does yet); the
-planner does not propose them (``planner.plan.schedule.SCHEDULES``).
+train on its own shard and drift apart, silently. At dp = 1 they were tried
+(torch 2.13, GPT and MLP, pp 2 × v 2, gloo): the first W action (``2W0``)
+failed in ``torch.autograd.grad`` with "Trying to use a saved tensor that has
+been detached in-place": torch's ``stage_backward_input`` detaches the stage's
+outputs in place after the I step, and the W step still needs the graph
+behind them. So they are refused at every dp until a parity test here proves
+them right; the planner does not propose them
+(``planner.plan.schedule.SCHEDULES``).
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ def check_schedule(plan: Plan) -> None:
             f"the plan's schedule {name!r} is not run by this runtime: torch's zero-bubble "
             "schedules compute the weights' gradients outside DDP's hooks, so with dp > 1 the "
             "replicas' gradients are never all-reduced (pytorch/pytorch#144530), and at dp = 1 "
-            f"they are not yet tested here (this plan: pp {pp} × v {v} × dp {plan.dp}).\n  fix: "
+            "their weight backward fails in torch 2.13 (a saved tensor detached in place; see "
+            f"runtime/schedule.py) (this plan: pp {pp} × v {v} × dp {plan.dp}).\n  fix: "
             "set training.schedule to interleaved-1f1b or looped-bfs (stage i on pipeline rank "
             "i mod pp: re-plan, or edit the stages' ranks), or gpipe/1f1b with layout.virtual 1"
         )

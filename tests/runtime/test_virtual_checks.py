@@ -3,9 +3,10 @@ a rank's stages seen as one module (what checkpoints save the optimizer's state 
 
 The refusals are raised by ``ParallelModel.from_plan`` in this process: the
 zero-bubble schedules (with DDP torch never all-reduces their gradients,
-pytorch#144530; untested at dp = 1), a pipeline against the rank order torch's
-multi-stage schedules need, pp 1 with several stages; and, on a rank, two
-stages sharing one tensor (the fx split's tied weight).
+pytorch#144530; at dp = 1 their weight backward fails in torch 2.13), a
+pipeline against the rank order torch's multi-stage schedules need, pp 1
+with several stages; and, on a rank, two stages sharing one tensor (the fx
+split's tied weight).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def test_the_zero_bubble_schedules_are_refused(
     msg = _refusal(virtual_plan(gpt4, schedule, tmp_path / "zb.yaml", edit))
     assert f"the plan's schedule {schedule!r} is not run by this runtime" in msg, msg
     assert "pytorch/pytorch#144530" in msg and f"pp 2 × v 2 × dp {dp}" in msg, msg
+    assert "at dp = 1 their weight backward fails in torch 2.13" in msg, msg
     assert "fix: set training.schedule to interleaved-1f1b or looped-bfs" in msg, msg
 
 
