@@ -28,6 +28,7 @@ __all__ = [
     "StageModule",
     "TiedParams",
     "build_stage",
+    "build_stages",
     "build_tied",
     "check_plan",
     "init_mesh",
@@ -43,6 +44,7 @@ _WHERE = {
     "StageError": "runtime.split.errors",
     "StageModule": "runtime.stage",
     "build_stage": "runtime.stage",
+    "build_stages": "runtime.stage",
     "TiedParams": "runtime.tied",
     "build_tied": "runtime.tied",
     "tied_sets": "runtime.tied",
@@ -54,7 +56,7 @@ if TYPE_CHECKING:
     from runtime.engine import ParallelModel
     from runtime.mesh import Mesh, init_mesh
     from runtime.split.errors import StageError
-    from runtime.stage import StageModule, build_stage
+    from runtime.stage import StageModule, build_stage, build_stages
     from runtime.tied import TiedParams, build_tied, tied_sets
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ from runtime.mesh import Mesh, init_mesh
 from runtime.options import DEFAULT_TIMEOUT_S
 from runtime.precision import autocast, check_training, compress_gradients
 from runtime.schedule import check_schedule, make_schedule
-from runtime.stage import StageModule, build_stage
+from runtime.stage import StageModule, build_stages
 from runtime.tied import TiedParams, build_tied, tied_sets
 
 __all__ = ["ParallelModel"]
@@ -57,11 +57,14 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 class ParallelModel:
     """A model trained as a plan says: build with :meth:`from_plan`, train with :meth:`step`.
 
-    Every rank runs the same code; each holds one stage of one replica.
+    Every rank runs the same code; each holds one stage of one replica, or
+    ``plan.virtual`` of them (Interleaved 1F1B, Looped BFS).
 
     Attributes:
-        plan, mesh, stage: what runs where.
-        optimizer: over this stage's trainable parameters (None when it has none).
+        plan, mesh: what runs where.
+        stages: this rank's stages, in model order (one when v = 1).
+        stage: the first of them (the only one when v = 1).
+        optimizer: over this rank's trainable parameters (None when it has none).
         tied: the tied-parameter groups.
         update: what follows the backward (``runtime.gradients.GradientStep``):
             its ``norm`` (the last global gradient norm) and ``skipped``.
@@ -74,7 +77,7 @@ class ParallelModel:
         *,
         plan: Plan,
         mesh: Mesh,
-        stage: StageModule,
+        stages: Sequence[StageModule],
         tied: TiedParams,
         schedule: Any,
         optimizer: Optimizer | None,
@@ -84,7 +87,8 @@ class ParallelModel:
     ) -> None:
         self.plan = plan
         self.mesh = mesh
-        self.stage = stage
+        self.stages = tuple(stages)
+        self.stage = self.stages[0]
         self.tied = tied
         self.schedule = schedule
         self.optimizer = optimizer
@@ -170,22 +174,22 @@ class ParallelModel:
         sets = tied_sets(plan, model)
         canonical = _canonical_names(model)
         mesh = init_mesh(plan, backend=backend, timeout_s=timeout_s)
-        stage = _stage(model, plan, mesh, example, split, weights)
-        held = {canonical[n] for names in stage.held for n in names if n in canonical}
+        stages = _stages(model, plan, mesh, example, split, weights)
+        held = {canonical[n] for names in stages[0].held for n in names if n in canonical}
         unplaced = {
             k: v.detach() if weights else v.detach().cpu().clone()
             for k, v in model.state_dict().items()
             if mesh.rank == 0 and canonical[k] == k and k not in held
         }
         unplaced = weights.values(unplaced) if weights else unplaced  # from the file
-        tied = build_tied(sets, stage, mesh)
-        params = stage.trainable()
+        tied = build_tied(sets, stages, mesh)
+        params = list({id(p): p for st in stages for p in st.trainable()}.values())
         opt = optimizer(params) if params else None
-        update = GradientStep(stage, tied, mesh, opt, clip_grad_norm=clip_grad_norm,
+        update = GradientStep(stages, tied, mesh, opt, clip_grad_norm=clip_grad_norm,
                               on_nonfinite=on_nonfinite)  # fmt: skip
-        schedule = make_schedule(plan, stage, loss_fn)
+        schedule = make_schedule(plan, stages, loss_fn)
         return cls(
-            plan=plan, mesh=mesh, stage=stage, tied=tied, schedule=schedule, optimizer=opt,
+            plan=plan, mesh=mesh, stages=stages, tied=tied, schedule=schedule, optimizer=opt,
             canonical=canonical, unplaced=unplaced, update=update,
         )  # fmt: skip
 
@@ -219,7 +223,8 @@ class ParallelModel:
         args, kwargs = normalize_inputs(inputs)
         args, kwargs, targets = self._shard(args, kwargs, targets)
         mesh = self.mesh
-        self.stage.module.zero_grad(set_to_none=True)
+        for st in self.stages:
+            st.module.zero_grad(set_to_none=True)
         losses: list[Tensor] = []
         call = self.schedule.step
         first, last = mesh.is_first_stage, mesh.is_last_stage
@@ -279,7 +284,8 @@ class ParallelModel:
         else:
             value = torch.zeros(1, device=mesh.device)
         if mesh.pp > 1:
-            dist.broadcast(value, src=mesh.rank_of(mesh.replica, mesh.pp - 1), group=mesh.pp_group)
+            last = mesh.rank_of(mesh.replica, mesh.num_stages - 1)
+            dist.broadcast(value, src=last, group=mesh.pp_group)
         if mesh.dp > 1:
             dist.all_reduce(value, group=mesh.dp_group)
             value /= mesh.dp
@@ -288,17 +294,18 @@ class ParallelModel:
     # ------------------------------------------------------------------ state
 
     def stage_state_dict(self) -> dict[str, Tensor]:
-        """This rank's stage: parameters and persistent buffers under the model's names.
+        """This rank's stages: parameters and persistent buffers under the model's names.
 
         A tied parameter appears under its first name in the model (e.g.
         ``tok_emb.weight`` even on the stage that uses it as ``head.weight``).
         Tensors are detached, on the stage's device. No communication.
         """
         out: dict[str, Tensor] = {}
-        for name, value in self.stage.module.state_dict().items():
-            key = self._canonical.get(name)
-            if key is not None:
-                out.setdefault(key, value.detach())
+        for st in self.stages:
+            for name, value in st.module.state_dict().items():
+                key = self._canonical.get(name)
+                if key is not None:
+                    out.setdefault(key, value.detach())
         return out
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -335,18 +342,19 @@ class ParallelModel:
 # --------------------------------------------------------------------------- helpers
 
 
-def _stage(
+def _stages(
     model: nn.Module, plan: Plan, mesh: Mesh, example: Any, split: str, weights: Any
-) -> StageModule:
-    """This rank's stage: the model itself when pp = 1 (``runtime.accumulate``), else split."""
+) -> tuple[StageModule, ...]:
+    """This rank's stages: the model itself when pp = 1 (``runtime.accumulate``), else split."""
     if plan.pp == 1:  # no split, no schedule: the model under DDP
         if weights is not None:
             weights(model, mesh.device)
-        stage = build_whole(model, plan, mesh)
+        stages: tuple[StageModule, ...] = (build_whole(model, plan, mesh),)
     else:
-        stage = build_stage(model, plan, mesh, example, split=split, materialize=weights)
-    compress_gradients(stage.wrapped, plan, mesh.dp_group)  # bf16-mixed: bf16 all-reduce
-    return stage
+        stages = build_stages(model, plan, mesh, example, split=split, materialize=weights)
+    for st in stages:
+        compress_gradients(st.wrapped, plan, mesh.dp_group)  # bf16-mixed: bf16 all-reduce
+    return stages
 
 
 def _micro_batch(

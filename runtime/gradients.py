@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,9 +43,10 @@ class NonFiniteError(ArithmeticError):
 
 
 class GradientNorm:
-    """The global gradient norm of one replica's stages (see the note above)."""
+    """The global gradient norm of one replica's stages (see the note above); ``modules``
+    are this rank's stages' (several when v > 1)."""
 
-    def __init__(self, module: nn.Module, tied: TiedParams, mesh: Mesh) -> None:
+    def __init__(self, modules: Sequence[nn.Module], tied: TiedParams, mesh: Mesh) -> None:
         self.mesh = mesh
         skip: set[int] = set()
         for g in tied.mine:
@@ -53,7 +55,7 @@ class GradientNorm:
         seen: set[int] = set()
         self.counted: list[nn.Parameter] = []
         self.every: list[nn.Parameter] = []
-        for p in module.parameters():
+        for p in (p for module in modules for p in module.parameters()):
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
@@ -95,7 +97,7 @@ class GradientStep:
 
     Example::
 
-        update = GradientStep(stage, tied, mesh, optimizer, clip_grad_norm=1.0)
+        update = GradientStep(stages, tied, mesh, optimizer, clip_grad_norm=1.0)
         ...; schedule.step(...); tied.sync_grads()
         update(loss)           # raises NonFiniteError, or skips, or clips and steps
 
@@ -110,7 +112,7 @@ class GradientStep:
 
     def __init__(
         self,
-        stage: StageModule,
+        stages: Sequence[StageModule],
         tied: TiedParams,
         mesh: Mesh,
         optimizer: Optimizer | None,
@@ -119,9 +121,9 @@ class GradientStep:
         on_nonfinite: str = "stop",
     ) -> None:
         check_gradient_options(clip_grad_norm, on_nonfinite)
-        self.stage, self.mesh, self.optimizer = stage, mesh, optimizer
+        self.stages, self.mesh, self.optimizer = tuple(stages), mesh, optimizer
         self.clip_grad_norm, self.on_nonfinite = clip_grad_norm, on_nonfinite
-        self.grads = GradientNorm(stage.module, tied, mesh)
+        self.grads = GradientNorm([st.module for st in self.stages], tied, mesh)
         self.norm = float("nan")
         self.skipped = False
         self._checked = False
@@ -153,19 +155,20 @@ class GradientStep:
     def _check_missing(self) -> None:
         """After the first backward: a trainable parameter without a gradient breaks DDP."""
         self._checked = True
-        missing = [
-            n for n, p in self.stage.module.named_parameters() if p.requires_grad and p.grad is None
-        ]
-        if not missing:
-            return
-        msg = (
-            f"{self.mesh.prefix} {len(missing)} trainable parameter(s) of stage "
-            f"{self.mesh.stage} got no gradient: {missing[:5]}; they are read but do not "
-            "reach the loss. fix: freeze them (p.requires_grad_(False)) or remove them"
-        )
-        if self.stage.ddp:
-            raise ValueError(msg + " (DDP needs a gradient for every trainable parameter)")
-        log.warning("%s", msg)
+        for st in self.stages:
+            missing = [
+                n for n, p in st.module.named_parameters() if p.requires_grad and p.grad is None
+            ]
+            if not missing:
+                continue
+            msg = (
+                f"{self.mesh.prefix} {len(missing)} trainable parameter(s) of stage "
+                f"{st.index} got no gradient: {missing[:5]}; they are read but do not "
+                "reach the loss. fix: freeze them (p.requires_grad_(False)) or remove them"
+            )
+            if st.ddp:
+                raise ValueError(msg + " (DDP needs a gradient for every trainable parameter)")
+            log.warning("%s", msg)
 
 
 def check_gradient_options(clip_grad_norm: float | None, on_nonfinite: str) -> None:

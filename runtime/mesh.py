@@ -2,7 +2,11 @@
 
 After the checks (:mod:`runtime.checks`), :func:`init_mesh` joins the process
 group torchrun describes and lays the ranks out as the plan says:
-``mesh.grid[r][s]`` is the rank running stage ``s`` of replica ``r``.
+``mesh.grid[r][k]`` is the rank at position ``k`` of replica ``r``'s pipeline.
+With one stage per rank (v = 1) position k runs stage k; with ``v`` stages per
+rank (Interleaved 1F1B, Looped BFS) it runs the stages the schedule places
+there (``plan.stage_ranks``: stage i on position i mod pp), and
+:meth:`Mesh.rank_of` finds a stage's rank.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from runtime.checks import check_world, default_backend, local_device
 from runtime.options import DEFAULT_TIMEOUT_S
 from runtime.rendezvous import is_loopback, listening_store
 
-__all__ = ["Mesh", "init_mesh"]
+__all__ = ["Mesh", "init_mesh", "pipeline_grid"]
 
 log = logging.getLogger(__name__)
 
@@ -31,18 +35,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Mesh:
-    """Where this rank sits: replica ``replica``, stage ``stage`` of a dp × pp grid.
+    """Where this rank sits: replica ``replica``, pipeline position ``stage`` of a dp × pp grid.
 
     Attributes:
         rank: this process's global rank.
-        replica, stage: its coordinates in the grid.
-        pp, dp: pipeline depth and data-parallel width.
+        replica, stage: its coordinates in the grid (``stage`` is the pipeline
+            position, 0 … pp − 1: with v = 1 the stage it runs).
+        stages: the stages this rank runs, in model order (``(stage,)`` when v = 1).
+        stage_ranks: per stage of the model, the pipeline position running it
+            (``plan.stage_ranks``).
+        pp, dp: pipeline depth (ranks per replica) and data-parallel width.
         device: where this rank's stage runs (``cuda:LOCAL_RANK`` or the CPU).
         backend: the process group's backend ("nccl" or "gloo").
         device_mesh: the 2-D ``DeviceMesh`` with dims ("dp", "pp").
         pp_group: the ranks of this replica's stages, in stage order.
         dp_group: the ranks running this stage, one per replica.
-        grid: ``grid[r][s]``, the rank running stage s of replica r.
+        grid: ``grid[r][k]``, the rank at pipeline position k of replica r.
         owns_default_group: whether ``init_mesh`` created the default group.
     """
 
@@ -57,23 +65,33 @@ class Mesh:
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     grid: tuple[tuple[int, ...], ...]
+    stages: tuple[int, ...]
+    stage_ranks: tuple[int, ...]
     owns_default_group: bool = False
 
     @property
+    def num_stages(self) -> int:
+        """The model's stages: pp · v."""
+        return len(self.stage_ranks)
+
+    @property
     def is_first_stage(self) -> bool:
-        return self.stage == 0
+        """Whether this rank runs the model's first stage (it takes the inputs)."""
+        return 0 in self.stages
 
     @property
     def is_last_stage(self) -> bool:
-        return self.stage == self.pp - 1
+        """Whether this rank runs the model's last stage (it takes the targets, has the losses)."""
+        return self.num_stages - 1 in self.stages
 
     def rank_of(self, replica: int, stage: int) -> int:
-        return self.grid[replica][stage]
+        """The rank running ``stage`` (a stage of the model, 0 … pp·v − 1) of ``replica``."""
+        return self.grid[replica][self.stage_ranks[stage]]
 
     @property
     def prefix(self) -> str:
-        """ "[rank 3 r1 s1]": the prefix of this rank's log lines."""
-        return f"[rank {self.rank} r{self.replica} s{self.stage}]"
+        """ "[rank 3 r1 s1]" ("[rank 0 r0 s0,2]" with two stages per rank): log lines' prefix."""
+        return f"[rank {self.rank} r{self.replica} s{','.join(map(str, self.stages))}]"
 
 
 def init_mesh(
@@ -129,10 +147,11 @@ def init_mesh(
     else:
         check_world(plan, dist.get_world_size())
     rank = dist.get_rank()
-    grid = tuple(tuple(row) for row in plan.ranks())
+    grid = pipeline_grid(plan)
     coords = [(r, s) for r, row in enumerate(grid) for s, k in enumerate(row) if k == rank]
     assert len(coords) == 1, f"rank {rank} appears {len(coords)} times in {grid}"
     replica, stage = coords[0]
+    on = plan.stage_ranks
     device_mesh = DeviceMesh(
         device.type, mesh=torch.tensor(grid, dtype=torch.int), mesh_dim_names=("dp", "pp")
     )
@@ -148,10 +167,24 @@ def init_mesh(
         pp_group=device_mesh.get_group("pp"),
         dp_group=device_mesh.get_group("dp"),
         grid=grid,
+        stages=tuple(i for i, k in enumerate(on) if k == stage),
+        stage_ranks=tuple(on),
         owns_default_group=owns,
     )
     log.info("%s mesh dp %d × pp %d on %s (%s)", mesh.prefix, plan.dp, plan.pp, device, backend)
     return mesh
+
+
+def pipeline_grid(plan: Plan) -> tuple[tuple[int, ...], ...]:
+    """``grid[r][k]``: the rank at pipeline position k of replica r (from the stages' ranks).
+
+    Example: interleaved-1f1b, pp 2 × v 2 × dp 2: ``plan.stage_ranks`` is
+    (0, 1, 0, 1) and ``plan.ranks()`` [[0, 1, 0, 1], [2, 3, 2, 3]], so the grid
+    is ((0, 1), (2, 3)).
+    """
+    on = plan.stage_ranks
+    first = [on.index(k) for k in range(plan.pp)]
+    return tuple(tuple(row[i] for i in first) for row in plan.ranks())
 
 
 def _loopback_store(timeout_s: float) -> dist.Store | None:

@@ -1,4 +1,8 @@
-"""This rank's pipeline stage: the model split at the plan's split points, DDP over replicas.
+"""This rank's pipeline stages: the model split at the plan's split points, DDP over replicas.
+
+One stage per rank (v = 1), or ``v`` (Interleaved 1F1B, Looped BFS: the stages
+``plan.stage_ranks`` places on this rank's pipeline position), each its own
+torch stage object, each DDP-wrapped on its own.
 
 The split is :mod:`runtime.split`'s: ``pipeline`` (torch.export underneath,
 then ``pipe.build_stage``), or ``fx`` (a ``symbolic_trace`` graph and a manual
@@ -16,7 +20,7 @@ of a tied weight that ``pipeline`` copies) are removed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +35,10 @@ from runtime.mesh import Mesh
 from runtime.options import SPLIT_METHODS
 from runtime.precision import retype_boundaries, send_as
 from runtime.recompute import maybe_recompute
-from runtime.split import Example, split_for_plan
+from runtime.split import Example, StageError, split_for_plan
 from runtime.split.used import prune_unused, release_others, used_tensors
 
-__all__ = ["StageModule", "build_stage", "maybe_ddp"]
+__all__ = ["StageModule", "build_stage", "build_stages", "maybe_ddp", "rank_module"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,7 @@ class StageModule:
     """This rank's stage, ready for a schedule.
 
     Attributes:
-        index: the stage index; ``num_stages`` the pipeline depth.
+        index: the stage index; ``num_stages`` the model's stages (pp · v).
         module: the stage's submodule; its parameters and buffers keep the
             model's FQNs (``blocks.3.attn.qkv.weight``).
         wrapped: ``DistributedDataParallel(module)`` when dp > 1 and the stage
@@ -96,18 +100,50 @@ def build_stage(
         stage = build_stage(model, plan, mesh, ((x[:4],), {}))
         schedule = ScheduleGPipe(stage.pipeline_stage, plan.micro_batches, loss_fn=loss)
 
+    One stage per rank (v = 1); :func:`build_stages` builds this rank's several.
+    Arguments and errors as :func:`build_stages`'s.
+    """
+    stages = build_stages(model, plan, mesh, example, split=split, materialize=materialize)
+    if len(stages) != 1:
+        raise ValueError(
+            f"this rank runs {len(stages)} stages ({list(mesh.stages)}: the plan has "
+            f"{plan.virtual} stages per pipeline rank); build them with build_stages"
+        )
+    return stages[0]
+
+
+def build_stages(
+    model: nn.Module,
+    plan: Plan,
+    mesh: Mesh,
+    example: Example,
+    *,
+    split: str = "auto",
+    materialize: Callable[[nn.Module, torch.device], None] | None = None,
+) -> tuple[StageModule, ...]:
+    """Split ``model`` as ``plan`` says and build this rank's stages (each DDP-wrapped if dp > 1).
+
+    Example::
+
+        stages = build_stages(model, plan, mesh, ((x[:4],), {}))   # v = 2: stages 0 and 2
+        schedule = ScheduleInterleaved1F1B([s.pipeline_stage for s in stages], 4, loss_fn=loss)
+
     Args:
         model: the whole model, the same (same initial values) on every rank.
-            Its stage shares tensors with it (no copies on the CPU).
+            Its stages share tensors with it (no copies on the CPU).
         example: ONE micro-batch's ``(args, kwargs)``, of the plan's micro-batch
             size: ``pipeline`` traces static shapes.
         split: one of :data:`SPLIT_METHODS`.
         materialize: ``materialize(stage_module, device)`` gives a meta-built stage
             storage and values (``runtime.materialize.StageWeights``).
 
+    Returns:
+        This rank's stages (``mesh.stages``), in model order: one when v = 1.
+
     Raises:
-        StageError: the split does not give ``plan.pp`` stages, or both ways to
-            split failed (the message says why each did).
+        StageError: the split does not give the plan's pp · v stages, both ways
+            to split failed (the message says why each did), or two stages of
+            this rank share a tensor (see :func:`_check_unshared`).
     """
     if split not in SPLIT_METHODS:
         raise ValueError(f"split must be one of {', '.join(SPLIT_METHODS)}, got {split!r}")
@@ -115,56 +151,132 @@ def build_stage(
     sends = retype_boundaries(parts, example, plan, mesh.device)  # bf16-mixed: autocast's dtypes
     used = [used_tensors(m) for m in parts.modules]
     held = tuple(frozenset(names) for names in used)
-    s = mesh.stage
-    module = parts.modules[s]
-    prune_unused(module, used[s])
+    mine = [parts.modules[s] for s in mesh.stages]
+    for s, module in zip(mesh.stages, mine, strict=True):
+        prune_unused(module, used[s])
+    _check_unshared(mine, mesh, parts.method)
     if materialize is not None:  # [Note: building a stage without the whole model]
-        materialize(module, mesh.device)
-    stage = _torch_stage(parts, module, plan, mesh)
+        for module in mine:
+            materialize(module, mesh.device)
+    stages = [_torch_stage(parts, s, plan, mesh) for s in mesh.stages]
     if parts.pipe is not None:  # torch's stage keeps the Pipe's graph, and all stages with it
-        release_others([parts.pipe.split_gm], keep=module)  # (export's modules: the model's stay)
-    # [Note: recompute as it runs] in runtime.recompute
-    runner = maybe_recompute(send_as(module, sends[s]), plan.stages[s].recompute)
-    wrapped = maybe_ddp(runner, mesh)
-    stage.submod = wrapped
-    log.info(
-        "%s stage %d/%d built with %s: %d parameters (%d trainable), %s",
-        mesh.prefix,
-        s,
-        plan.pp,
-        parts.method,
-        sum(1 for _ in module.parameters()),
-        sum(p.numel() for p in module.parameters() if p.requires_grad),
-        "DDP" if wrapped is not module else "no DDP",
-    )
-    return StageModule(
-        index=s,
-        num_stages=plan.pp,
-        module=module,
-        wrapped=wrapped,
-        pipeline_stage=stage,
-        method=parts.method,
-        fallback_reason=parts.reason,
-        held=held,
-        restore=parts.restore,
-    )
+        release_others([parts.pipe.split_gm], keep=mine)  # (export's modules: the model's stay)
+    out = []
+    for s, module, stage in zip(mesh.stages, mine, stages, strict=True):
+        # [Note: recompute as it runs] in runtime.recompute
+        runner = maybe_recompute(send_as(module, sends[s]), plan.stages[s].recompute)
+        wrapped = maybe_ddp(runner, mesh)
+        stage.submod = wrapped
+        log.info(
+            "%s stage %d/%d built with %s: %d parameters (%d trainable), %s",
+            mesh.prefix,
+            s,
+            len(plan.stages),
+            parts.method,
+            sum(1 for _ in module.parameters()),
+            sum(p.numel() for p in module.parameters() if p.requires_grad),
+            "DDP" if wrapped is not module else "no DDP",
+        )
+        out.append(
+            StageModule(
+                index=s,
+                num_stages=len(plan.stages),
+                module=module,
+                wrapped=wrapped,
+                pipeline_stage=stage,
+                method=parts.method,
+                fallback_reason=parts.reason,
+                held=held,
+                restore=parts.restore,
+            )
+        )
+    return tuple(out)
 
 
-def _torch_stage(parts: Any, module: nn.Module, plan: Plan, mesh: Mesh) -> Any:
-    """torch's stage object for this rank's ``module``, talking to its replica's stages."""
-    s = mesh.stage
+def _torch_stage(parts: Any, s: int, plan: Plan, mesh: Mesh) -> Any:
+    """torch's stage object for stage ``s`` of this rank, talking to its replica's stages."""
+    n = len(plan.stages)
     if parts.pipe is not None:
         stage = parts.pipe.build_stage(s, mesh.device, group=mesh.pp_group)
     else:
         ins, outs = parts.shapes[s]
         stage = PipelineStage(
-            module, s, plan.pp, mesh.device, input_args=ins, output_args=outs, group=mesh.pp_group
-        )
+            parts.modules[s], s, n, mesh.device, input_args=ins, output_args=outs,
+            group=mesh.pp_group,
+        )  # fmt: skip
     # The pp group's ranks are sorted by global rank; the plan's stage order may differ.
     stage.stage_index_to_group_rank = {
-        i: dist.get_group_rank(mesh.pp_group, mesh.grid[mesh.replica][i]) for i in range(plan.pp)
+        i: dist.get_group_rank(mesh.pp_group, mesh.rank_of(mesh.replica, i)) for i in range(n)
     }
     return stage
+
+
+def _check_unshared(modules: list[nn.Module], mesh: Mesh, method: str) -> None:
+    """Refuse two stages of this rank holding one tensor (a tied weight the ``fx`` split shares).
+
+    torch scales each stage's gradients by 1/m after its last backward, and DDP
+    reduces each stage's own parameters: one tensor in two of this rank's stages
+    would be scaled twice and reduced twice. ``pipeline`` gives every stage its
+    own copy of a tied weight (``runtime.tied`` sums their gradients); the ``fx``
+    split shares the model's tensor, which is only a problem when two stages
+    using it run on one rank.
+    """
+    owner: dict[int, tuple[int, str]] = {}
+    for k, module in enumerate(modules):
+        for name, p in module.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(p), (k, name))
+            if first[0] != k:
+                a, b = mesh.stages[first[0]], mesh.stages[k]
+                raise StageError(
+                    f"{mesh.prefix} stages {a} and {b}, both on this rank, hold one tensor "
+                    f"({first[1]!r} in stage {a}, {name!r} in stage {b}), as the {method} split "
+                    "shares a tied weight between the stages that use it.\n  why: torch scales "
+                    "and DDP reduces each stage's gradients on its own, so a tensor in two "
+                    "stages of one rank would be scaled and reduced twice.\n  fix: split with "
+                    "'pipeline' (it copies a tied weight into each stage and the runtime sums "
+                    "their gradients), or move a split point so that the stages using it run "
+                    "on different pipeline ranks"
+                )
+
+
+def rank_module(stages: Sequence[StageModule]) -> nn.Module:
+    """This rank's stages as one module, for an API that takes one (DCP's optimizer state).
+
+    The stage's own module when there is one; with several (v > 1) a module tree
+    holding every stage's parameters and buffers under the model's names (the
+    same tensors, nothing copied), e.g. ``blocks.0…`` from stage 0 beside
+    ``blocks.4…`` from stage 2.
+
+    Raises:
+        StageError: two stages of this rank hold different tensors under one name.
+    """
+    if len(stages) == 1:
+        return stages[0].module
+    root = nn.Module()
+    placed: dict[str, tuple[int, int]] = {}  # name -> (stage, id)
+    for st in stages:
+        named = [
+            *((n, t, True) for n, t in st.module.named_parameters(remove_duplicate=False)),
+            *((n, t, False) for n, t in st.module.named_buffers(remove_duplicate=False)),
+        ]
+        for name, t, is_param in named:
+            first = placed.setdefault(name, (st.index, id(t)))
+            if first[1] != id(t):
+                raise StageError(
+                    f"stages {first[0]} and {st.index} of this rank hold different tensors "
+                    f"named {name!r}; they cannot be saved as one module's.\n  fix: move a "
+                    "split point so that the stages sharing the name run on different ranks"
+                )
+            *path, leaf = name.split(".")
+            holder = root
+            for part in path:
+                child = holder._modules.get(part)
+                if child is None:
+                    child = holder._modules[part] = nn.Module()
+                holder = child
+            table = holder._parameters if is_param else holder._buffers
+            table[leaf] = t  # type: ignore[assignment]
+    return root
 
 
 # --------------------------------------------------------------------------- DDP

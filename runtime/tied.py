@@ -27,7 +27,8 @@ See the note below for why, and how.
 # that reads two of them two tensors. Then each rank first sums its own copies'
 # gradients, the sum is all-reduced over the holding stages (when several
 # hold), and every copy gets the total: the same rule, any number of copies
-# per stage and across stages.
+# per stage and across stages. With several stages per rank (v > 1) a rank's
+# copies are those of all its stages, and the group has each holding rank once.
 
 from __future__ import annotations
 
@@ -82,8 +83,9 @@ class TiedGroup:
     Attributes:
         names: every FQN of the tensor.
         stages: the stages holding a copy (the same in every replica).
-        ranks: this replica's ranks holding a copy, in stage order.
-        params: this rank's copies (several when its stage holds several;
+        ranks: this replica's ranks holding a copy, in stage order, each once
+            (with v > 1 one rank may run several holding stages).
+        params: this rank's copies (several when its stages hold several;
             empty when it holds none).
         group: the process group of ``ranks`` (None when this rank is not in
             it, or when one stage holds all the copies).
@@ -135,29 +137,35 @@ class TiedParams:
                 p.grad = total if k == 0 else total.clone()
 
 
-def build_tied(sets: Sequence[tuple[str, ...]], stage: StageModule, mesh: Mesh) -> TiedParams:
+def build_tied(
+    sets: Sequence[tuple[str, ...]], stages: Sequence[StageModule], mesh: Mesh
+) -> TiedParams:
     """The process groups of the tied sets that several stages hold, and equal start values.
 
     Example::
 
-        tied = build_tied(tied_sets(plan, model), stage, mesh)
+        tied = build_tied(tied_sets(plan, model), stages, mesh)
         ...; schedule.step(...); tied.sync_grads(); optimizer.step()
 
-    Which stages hold a copy is read from ``stage.held`` (every stage's kept
-    names, the same on every rank), so every rank creates the same groups in
-    the same order, as ``dist.new_group`` requires. A set whose one holding
-    stage keeps it as one tensor has nothing to sync; one holding stage with
-    several copies sums them locally (no group).
+    ``stages`` are this rank's (several when v > 1). Which stages hold a copy is
+    read from ``stages[0].held`` (every stage's kept names, the same on every
+    rank), so every rank creates the same groups in the same order, as
+    ``dist.new_group`` requires. A set whose holders all run on one rank (one
+    stage keeping it as one tensor, or several copies on this rank's stages)
+    sums its copies locally (no group), or has nothing to sync.
     """
     groups: list[TiedGroup] = []
+    held = stages[0].held
     for names in sets:
-        holders = tuple(s for s, held in enumerate(stage.held) if held & set(names))
-        copies = _local_copies(stage.module, names) if mesh.stage in holders else ()
-        if len(holders) == 1 and len(copies) < 2:
+        holders = tuple(s for s, kept in enumerate(held) if kept & set(names))
+        copies = _local_copies([st.module for st in stages if st.index in holders], names)
+        # One rank per pipeline position: several holding stages may share one.
+        positions = tuple(dict.fromkeys(mesh.stage_ranks[s] for s in holders))
+        if len(positions) == 1 and len(copies) < 2:
             continue
         for r in range(mesh.dp):
-            ranks = tuple(mesh.grid[r][s] for s in holders)
-            pg = dist.new_group(sorted(ranks)) if len(holders) > 1 else None
+            ranks = tuple(mesh.grid[r][k] for k in positions)
+            pg = dist.new_group(sorted(ranks)) if len(positions) > 1 else None
             if r == mesh.replica:
                 mine = mesh.rank in ranks
                 groups.append(
@@ -181,7 +189,12 @@ def build_tied(sets: Sequence[tuple[str, ...]], stage: StageModule, mesh: Mesh) 
     return tied
 
 
-def _local_copies(module: nn.Module, names: tuple[str, ...]) -> tuple[nn.Parameter, ...]:
-    """This stage's distinct tensors for the tied set ``names`` (one or more)."""
-    found = {id(p): p for n, p in module.named_parameters(remove_duplicate=False) if n in names}
+def _local_copies(modules: Sequence[nn.Module], names: tuple[str, ...]) -> tuple[nn.Parameter, ...]:
+    """These stages' distinct tensors for the tied set ``names`` (none, one or more)."""
+    found = {
+        id(p): p
+        for module in modules
+        for n, p in module.named_parameters(remove_duplicate=False)
+        if n in names
+    }
     return tuple(found.values())

@@ -170,7 +170,10 @@ def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, 
     _say(
         lead,
         f"rendezvous of {plan.world_size} workers, then each builds its stage "
-        f"(of {plan.pp}: traced and split)",
+        f"(of {plan.pp}: traced and split)"
+        if plan.virtual == 1
+        else f"rendezvous of {plan.world_size} workers, then each builds its {plan.virtual} "
+        f"stages (of {len(plan.stages)}: traced and split)",
     )
     pm = ParallelModel.from_plan(
         model,

@@ -38,7 +38,9 @@ class Interval(Record):
     """One timed action: ``kind`` "F", "B", "loss", "tied", "optimizer" or "step".
 
     ``start`` and ``end`` are seconds since the recorder started (aligned
-    across ranks); ``micro_batch`` is -1 for whole-step actions.
+    across ranks); ``micro_batch`` is -1 for whole-step actions. ``stage``:
+    the stage an "F", "B" or "loss" ran for on a rank running several stages
+    (v > 1); -1 otherwise (the record's ``stage``).
     """
 
     kind: str
@@ -46,6 +48,7 @@ class Interval(Record):
     micro_batch: int
     start: float
     end: float
+    stage: int = -1
 
     @property
     def ms(self) -> float:
@@ -64,14 +67,19 @@ class RankRecord(Record):
     peak_bytes: float = 0.0
     memory_method: str = ""
 
-    def durations(self, kind: str, steps: set[int], skip_mb: int | None = None) -> list[float]:
+    def durations(
+        self, kind: str, steps: set[int], skip_mb: int | None = None, stage: int | None = None
+    ) -> list[float]:
         """Milliseconds of every ``kind`` action in ``steps``; a forward includes its loss.
 
         ``skip_mb``: leave out this micro-batch's actions (see ``stage_figures``).
+        ``stage``: only this stage's actions (a rank running several stages).
         """
         out: dict[tuple[int, int], float] = {}
         for iv in self.intervals:
             if iv.step not in steps or (skip_mb is not None and iv.micro_batch == skip_mb):
+                continue
+            if stage is not None and (iv.stage if iv.stage >= 0 else self.stage) != stage:
                 continue
             if iv.kind == kind or (kind == "F" and iv.kind == "loss"):
                 key = (iv.step, iv.micro_batch)
@@ -95,12 +103,18 @@ class Measurement(Record):
 
         ``skip_last_backward=m``: leave micro-batch m − 1's backward out (with
         dp > 1 it holds DDP's gradient all-reduce; see ``comparison_table``).
+        On a rank running several stages (v > 1) the step and the peak memory
+        are the rank's, shared by its stages.
         """
         counted = set(self.counted)
-        recs = [r for r in self.records if r.stage == stage]
+        recs = [
+            r
+            for r in self.records
+            if r.stage == stage or any(iv.stage == stage for iv in r.intervals)
+        ]
         skip = None if skip_last_backward is None else skip_last_backward - 1
-        fwd = [d for r in recs for d in r.durations("F", counted)]
-        bwd = [d for r in recs for d in r.durations("B", counted, skip)]
+        fwd = [d for r in recs for d in r.durations("F", counted, stage=stage)]
+        bwd = [d for r in recs for d in r.durations("B", counted, skip, stage=stage)]
         step = [d for r in recs for d in r.durations("step", counted)]
         return {
             "fwd_ms": median(fwd),
@@ -158,6 +172,7 @@ def joined(runs: Sequence[Measurement]) -> Measurement:
                     iv.micro_batch,
                     iv.start + k * time_gap,
                     iv.end + k * time_gap,
+                    iv.stage,
                 )
                 for iv in r.intervals
             ]

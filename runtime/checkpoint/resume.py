@@ -45,6 +45,7 @@ from runtime.checkpoint.store import (
     rank_state,
     read_marker,
 )
+from runtime.stage import rank_module
 
 if TYPE_CHECKING:
     from runtime.engine import ParallelModel
@@ -157,7 +158,7 @@ def _restore(pmodel: ParallelModel, state: dict[str, Any]) -> None:
     """The loaded optimizer state and RNG state into this rank's objects (weights are in place)."""
     if pmodel.optimizer is not None:
         set_optimizer_state_dict(
-            pmodel.stage.module, pmodel.optimizer, state["optim"], options=OPTIM_OPTIONS
+            rank_module(pmodel.stages), pmodel.optimizer, state["optim"], options=OPTIM_OPTIONS
         )
     if "rng" in state:
         rng = state["rng"][f"rank{pmodel.mesh.rank}"]

@@ -58,6 +58,7 @@ from planner.plan.files import atomic_write
 from planner.plan.schema import Plan
 from runtime.checkpoint.files import MAX_MARKER_BYTES, Malformed, Missing, regular_file_in
 from runtime.checkpoint.safeload import METADATA
+from runtime.stage import rank_module
 
 if TYPE_CHECKING:
     from runtime.engine import ParallelModel
@@ -296,7 +297,7 @@ def rank_state(pmodel: ParallelModel, step: int) -> dict[str, Any]:
     }
     if pmodel.optimizer is not None:
         state["optim"] = get_optimizer_state_dict(
-            pmodel.stage.module, pmodel.optimizer, options=OPTIM_OPTIONS
+            rank_module(pmodel.stages), pmodel.optimizer, options=OPTIM_OPTIONS
         )
     return state
 

@@ -93,6 +93,11 @@ def comparison_table(plan: Plan, result: Measurement, width: int | None = None) 
     elif skip:
         tail.append("backward: all but the last micro-batch's (which also all-reduces, dp > 1)")
     tail.append(f"err: {ERROR_CONVENTION} (−: slower or larger than predicted)")
+    if plan.virtual > 1:
+        tail.append(
+            f"{plan.virtual} stages per rank: each stage's step and measured memory are its "
+            "rank's (all its stages together)"
+        )
     methods = sorted({r.memory_method for r in result.records})
     tail.append(f"memory measured as: {'; '.join(methods)}")
     tail.append(hidden_note(table.hidden, width, "the measured trace (--trace)"))
@@ -145,15 +150,19 @@ def trace_json(result: Measurement, *, title: str = "measured") -> dict[str, Any
     t0 = min((iv.start for r in result.records for iv in r.intervals), default=0.0)
     for r in result.records:
         pid = r.rank
-        trace.process(pid, f"rank {r.rank}: replica {r.replica}, stage {r.stage}", r.rank)
-        trace.thread(pid, r.stage, f"stage {r.stage}", 0)
-        trace.thread(pid, _THREAD_STEP, "steps", 1)
+        stages = sorted({iv.stage for iv in r.intervals if iv.stage >= 0}) or [r.stage]
+        named = ", ".join(map(str, stages))
+        trace.process(pid, f"rank {r.rank}: replica {r.replica}, stage {named}", r.rank)
+        for k, s in enumerate(stages):  # one lane per stage (several when v > 1)
+            trace.thread(pid, s, f"stage {s}", k)
+        trace.thread(pid, _THREAD_STEP, "steps", len(stages))
         for iv in r.intervals:
-            lane = r.stage if iv.kind in ("F", "B", "loss") else _THREAD_STEP
+            at = iv.stage if iv.stage >= 0 else r.stage
+            lane = at if iv.kind in ("F", "B", "loss") else _THREAD_STEP
             name = f"{iv.kind}{iv.micro_batch}" if iv.micro_batch >= 0 else iv.kind
             if iv.kind == "step":
                 name = f"step {iv.step + 1}"
-            args: dict[str, Any] = {"stage": r.stage, "step": iv.step + 1}
+            args: dict[str, Any] = {"stage": at, "step": iv.step + 1}
             if iv.micro_batch >= 0:
                 args["micro_batch"] = iv.micro_batch
             start, end = (iv.start - t0) * 1e3, (iv.end - t0) * 1e3

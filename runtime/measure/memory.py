@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,7 +39,7 @@ class MemoryProbe:
     Example (what ``Recorder`` does)::
 
         probe = MemoryProbe(device)
-        probe.start(pmodel.stage.wrapped)      # before the first step
+        probe.start([st.wrapped for st in pmodel.stages])  # before the first step
         with probe.step(args):                 # every step (CPU: tracked)
             pmodel.step(*args)
         probe.count_from_here()                # before the first counted step
@@ -57,20 +57,21 @@ class MemoryProbe:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.live = None if device.type == "cuda" else LiveTensors(device)
-        self._ddp: DistributedDataParallel | None = None
+        self._ddp: list[DistributedDataParallel] = []
 
-    def start(self, wrapped: nn.Module | None = None) -> None:
+    def start(self, wrapped: nn.Module | Sequence[nn.Module] | None = None) -> None:
         """Before the first recorded step: the peak starts here, from what is alive.
 
-        ``wrapped``: the stage's module as it runs; a ``DistributedDataParallel``'s
-        buckets count (CPU).
+        ``wrapped``: the stage's module as it runs (or this rank's stages', when
+        it runs several); a ``DistributedDataParallel``'s buckets count (CPU).
         """
         if self.live is None:
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        if isinstance(wrapped, DistributedDataParallel):
-            self._ddp = wrapped
-            self.live.hold("DDP buckets", ddp_bucket_bytes(wrapped))
+        mods = [wrapped] if isinstance(wrapped, nn.Module) else list(wrapped or ())
+        self._ddp = [m for m in mods if isinstance(m, DistributedDataParallel)]
+        if self._ddp:
+            self.live.hold("DDP buckets", sum(ddp_bucket_bytes(d) for d in self._ddp))
         self.count_from_here()
 
     @contextlib.contextmanager
@@ -102,8 +103,8 @@ class MemoryProbe:
                 return pre_forward(*args, **kwargs)
             finally:
                 live.paused = paused
-                if self._ddp is not None:
-                    live.hold("DDP buckets", ddp_bucket_bytes(self._ddp))
+                if self._ddp:
+                    live.hold("DDP buckets", sum(ddp_bucket_bytes(d) for d in self._ddp))
 
         return run
 
@@ -134,14 +135,16 @@ def ddp_bucket_bytes(ddp: DistributedDataParallel) -> int:
 
 
 def stage_state_bytes(pmodel: ParallelModel) -> int:
-    """Bytes of the stage's parameters, buffers, gradients and optimizer state, each once.
+    """Bytes of this rank's stages' parameters, buffers, gradients and optimizer state, each once.
 
     Example: ``stage_state_bytes(pmodel) / 2**20`` MiB, after a step (gradients and
     Adam's moments exist from the first one on).
     """
-    module = pmodel.stage.module
-    tensors: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
-    tensors += [p.grad for p in module.parameters() if p.grad is not None]
+    tensors: list[torch.Tensor] = []
+    for st in pmodel.stages:
+        module = st.module
+        tensors += [*module.parameters(), *module.buffers()]
+        tensors += [p.grad for p in module.parameters() if p.grad is not None]
     if pmodel.optimizer is not None:
         for state in pmodel.optimizer.state.values():
             tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]

@@ -112,7 +112,7 @@ class Recorder:
             dist.barrier()
         self._t0 = time.perf_counter()
         if self._mem is not None:
-            self._mem.start(pmodel.stage.wrapped)
+            self._mem.start([st.wrapped for st in pmodel.stages])
 
     # -------------------------------------------------------------- wrapping
 
@@ -121,14 +121,17 @@ class Recorder:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - self._t0
 
-    def _timed(self, kind: str, fn: Callable[..., Any], mb_of: Callable[..., int]) -> Any:
+    def _timed(
+        self, kind: str, fn: Callable[..., Any], mb_of: Callable[..., int], stage: int = -1
+    ) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
             start = self._clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 mb = mb_of(*args, **kwargs)
-                self._intervals.append(Interval(kind, self._step, mb, start, self._clock()))
+                iv = Interval(kind, self._step, mb, start, self._clock(), stage)
+                self._intervals.append(iv)
 
         return run
 
@@ -147,7 +150,6 @@ class Recorder:
 
     def _wrap(self) -> None:
         pm = self.pmodel
-        stage = pm.stage.pipeline_stage
 
         def chunk(*args: Any, **kwargs: Any) -> int:
             for key in ("fwd_chunk_id", "bwd_chunk_id"):
@@ -155,8 +157,12 @@ class Recorder:
                     return int(kwargs[key])
             return int(args[0]) if args else -1
 
-        self._patch(stage, "forward_one_chunk", self._timed("F", stage.forward_one_chunk, chunk))
-        self._patch(stage, "backward_one_chunk", self._timed("B", stage.backward_one_chunk, chunk))
+        several = len(pm.stages) > 1  # intervals say their stage (v > 1)
+        for st in pm.stages:
+            stage, at = st.pipeline_stage, st.index if several else -1
+            forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+            self._patch(stage, "forward_one_chunk", self._timed("F", forward, chunk, at))
+            self._patch(stage, "backward_one_chunk", self._timed("B", backward, chunk, at))
         loss_fn = getattr(pm.schedule, "_loss_fn", None)  # private: timed when present
         if callable(loss_fn):
 
@@ -164,7 +170,8 @@ class Recorder:
                 self._losses += 1  # the schedule computes the losses in micro-batch order
                 return self._losses - 1
 
-            self._patch(pm.schedule, "_loss_fn", self._timed("loss", loss_fn, loss_mb))
+            last = pm.mesh.num_stages - 1 if several else -1
+            self._patch(pm.schedule, "_loss_fn", self._timed("loss", loss_fn, loss_mb, last))
         if pm.tied.mine:
             self._patch(pm.tied, "sync_grads", self._timed("tied", pm.tied.sync_grads, _whole))
         if pm.optimizer is not None:
@@ -183,11 +190,11 @@ class Recorder:
                 pm.optimizer.register_step_post_hook(post),
             ]
             self._undo.extend(h.remove for h in handles)
-        ddp = pm.stage.wrapped
         cpu_tracked = self._mem is not None and self.device.type != "cuda"
-        if isinstance(ddp, DistributedDataParallel) and cpu_tracked:
-            assert self._mem is not None
-            self._patch(ddp, "_pre_forward", self._mem.untracked_ddp(ddp._pre_forward))
+        for ddp in (st.wrapped for st in pm.stages):
+            if isinstance(ddp, DistributedDataParallel) and cpu_tracked:
+                assert self._mem is not None
+                self._patch(ddp, "_pre_forward", self._mem.untracked_ddp(ddp._pre_forward))
         step = pm.step
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:

@@ -47,7 +47,7 @@ def split_for_plan(model: nn.Module, plan: Plan, example: Example, split: str) -
     """Split ``model`` at ``plan``'s split points: ``pipeline`` first ("auto"), or as forced.
 
     Raises:
-        StageError: the split does not give ``plan.pp`` stages, or both ways
+        StageError: the split does not give the plan's pp · v stages, or both ways
             failed (the message says why each did).
     """
     points = plan.split_points
@@ -77,10 +77,15 @@ def split_for_plan(model: nn.Module, plan: Plan, example: Example, split: str) -
 
 
 def _check_count(n: int, plan: Plan) -> None:
-    if n != plan.pp:
+    if n != len(plan.stages):
+        has = (
+            f"pp = {plan.pp}"
+            if plan.virtual == 1
+            else (f"{len(plan.stages)} stages (pp {plan.pp} × virtual {plan.virtual})")
+        )
         raise StageError(
             f"splitting at the plan's split points {plan.split_points} gave {n} stages, but "
-            f"the plan has pp = {plan.pp}.\n  why: a split point module is not called in the "
+            f"the plan has {has}.\n  why: a split point module is not called in the "
             "forward, or is called where torch.export cannot cut (inside another call).\n"
             "  fix: re-plan the model (`planner plan`), or edit the plan's split points to "
             "module calls on the forward's main path"
