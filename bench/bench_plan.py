@@ -293,7 +293,9 @@ def compare(plan: Any, cluster: Any, training: Any, search_options: Any) -> dict
     n_blocks = len(plan.profiles[0].blocks)
     best: dict[str, tuple[float, str] | None] = dict.fromkeys(BASELINES)
     tried = 0
-    for pp, dp, m, sched in configurations(cluster, training, search_options, n_blocks):
+    for pp, dp, m, sched, v in configurations(cluster, training, search_options, n_blocks):
+        if v > 1:  # the baselines split one stage per rank
+            continue
         for _, grid in layouts(cluster, pp, dp):
             lay = Layout(pp=pp, dp=dp, micro_batches=m, schedule=sched, ranks=grid)
             cm = cost_model(lay)

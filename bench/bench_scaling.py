@@ -178,7 +178,7 @@ def search_point(n_blocks: int, devices: int, solver: str, limit_s: float) -> di
         return memo[device, b]
 
     configs = ps.configurations(cluster, training, options, n_blocks)
-    considered = sum(len(ps.layouts(cluster, pp, dp)) for pp, dp, _, _ in configs)
+    considered = sum(len(ps.layouts(cluster, pp, dp)) for pp, dp, _, _, _ in configs)
     out: dict[str, Any] = {"blocks": n_blocks, "devices": devices, "solver": solver}
     with timed(loop, "solve_partition") as ilp, timed(loop, "solve_step") as steps:
         t0 = time.perf_counter()

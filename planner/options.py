@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.plan.fields import option, option_error
-from planner.plan.schedule import SCHEDULES
+from planner.plan.schedule import MULTI_STAGE, SCHEDULES
 from planner.solve.problem import SOLVERS
 
 __all__ = [
@@ -84,7 +84,13 @@ class SearchOptions:
     pp: int | None = option(None, help="pin the pipeline depth")
     dp: int | None = option(None, help="pin the data-parallel width")
     micro_batches: int | None = option(None, help="pin the micro-batch count")
-    schedule: str | None = option(None, help="pin the schedule", choices=SCHEDULES)
+    schedule: str | None = option(None, help="pin the schedule", choices=(*SCHEDULES, *MULTI_STAGE))
+    virtual: int | None = option(
+        None,
+        help="pin the stages per pipeline rank (v; 1 for gpipe and 1f1b, 2 or more for "
+        "interleaved-1f1b and looped-bfs)",
+        flag="--virtual-stages",
+    )
     solver: str = option(
         "highs", help="the ILP solver (auto: HiGHS when installed, else CBC)", choices=SOLVERS
     )
@@ -107,6 +113,14 @@ class SearchOptions:
         metavar="PCT",
     )
     max_micro_batches: int = option(64, help="the largest micro-batch count considered", cli=False)
+    max_virtual: int = option(
+        1,
+        help="the most stages per pipeline rank the search considers (interleaved-1f1b and "
+        "looped-bfs at v = 2 up to it); 1, the default: gpipe and 1f1b only, unless "
+        "--schedule or --virtual-stages asks for more (their step solves are still slow: "
+        "README, schedules)",
+        flag="--max-virtual-stages",
+    )
     keep: int = option(12, help="how many candidates the plan records", cli=False)
     every_device: bool = option(
         False,
@@ -116,15 +130,16 @@ class SearchOptions:
     )
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "micro_batches", "max_micro_batches", "keep"):
+        for name in ("pp", "dp", "micro_batches", "max_micro_batches", "keep", "virtual",
+                     "max_virtual"):  # fmt: skip
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or v < 1):
                 raise option_error(SearchOptions, name, f"must be ≥ 1, got {v}")
-        if self.schedule is not None and self.schedule not in SCHEDULES:
+        if self.schedule is not None and self.schedule not in (*SCHEDULES, *MULTI_STAGE):
             raise option_error(
                 SearchOptions,
                 "schedule",
-                f"is {self.schedule!r}; choose one of {', '.join(SCHEDULES)}",
+                f"is {self.schedule!r}; choose one of {', '.join((*SCHEDULES, *MULTI_STAGE))}",
             )
         if self.solver not in SOLVERS:
             raise option_error(

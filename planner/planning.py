@@ -254,7 +254,7 @@ def _sampler(sample: Sampler | tuple[Any, Any]) -> tuple[Sampler, int | None]:
 def _micro_batch_sizes(cluster: Cluster, training: Training, opts: SearchOptions) -> list[int]:
     """Every micro-batch size the search may need (raises when no configuration is possible)."""
     configs = configurations(cluster, training, opts)
-    return sorted({training.global_batch // (dp * m) for _, dp, m, _ in configs})
+    return sorted({training.global_batch // (dp * m) for _, dp, m, _, _ in configs})
 
 
 # --------------------------------------------------------------------------- the plan
@@ -296,7 +296,7 @@ def _assemble(
             precision=training.precision,
             schedule=lay.schedule,
         ),
-        layout=LayoutPlan(pp=lay.pp, dp=lay.dp),
+        layout=LayoutPlan(pp=lay.pp, dp=lay.dp, virtual=lay.virtual),
         stages=stage_plans(pred, result.cost.profile, lay.ranks),
         predicted=predicted(pred),
         step=pred.inputs,

@@ -171,6 +171,22 @@ class CostModel:
         device with these alone does too."""
         return self.memory_model.floor(s, i, j)
 
+    def fits(self, starts: Sequence[int]) -> bool:
+        """Whether the placement ``starts`` fits: every stage its device, and with several
+        stages per rank, each rank's stages together (as :attr:`Prediction.fits`)."""
+        bounds = self._bounds(starts)
+        mem = [self.stage_memory(s, bounds[s], bounds[s + 1]) for s in range(len(starts))]
+        if any(m > c for m, c in zip(mem, self.capacity, strict=True)):
+            return False
+        return all(sum(mem[s] for s in g) <= self.capacity[g[0]] for g in self.rank_stages())
+
+    def rank_stages(self) -> tuple[tuple[int, ...], ...]:
+        """Per pipeline rank, the stages it runs, when it runs several (v > 1); else ()."""
+        if self.layout.virtual == 1:
+            return ()
+        on = self.layout.stage_ranks
+        return tuple(tuple(s for s, r in enumerate(on) if r == k) for k in range(self.layout.pp))
+
     def cut_ms(self, s: int, j: int) -> float:
         """Both transfers per micro-batch on link s → s+1 when stage s+1 starts at block j."""
         f, b = self.time.cut(s, j)

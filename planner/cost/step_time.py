@@ -27,7 +27,12 @@ __all__ = [
 
 
 def work_bound(
-    total: float, heaviest: float, pp: int, micro_batches: int, schedule: str = "gpipe"
+    total: float,
+    heaviest: float,
+    pp: int,
+    micro_batches: int,
+    schedule: str = "gpipe",
+    virtual: int = 1,
 ) -> float:
     """A lower bound on the step of any placement on ``pp`` stages with ``m`` micro-batches.
 
@@ -43,6 +48,11 @@ def work_bound(
       bound does not hold: stage 0 of two, 10 + 10 ms per micro-batch against
       1 + 1, runs 1F1B with m = 2 in 40 ms, below 22 + 20.)
 
+    * several stages per rank (``virtual`` > 1: Interleaved 1F1B, Looped BFS):
+      the busiest rank runs its stages' 2m actions each, at least an even
+      share of the work, one after another, and micro-batch 0 goes through
+      every stage and back: ``max(m·share, total)``.
+
     Every action runs at most at its speed alone, so the bound holds where
     stages share cores too.
 
@@ -50,7 +60,7 @@ def work_bound(
     (18.0, 12.0)
     """
     share = max(total / pp, heaviest)
-    if schedule == "1f1b":
+    if schedule == "1f1b" or virtual > 1:
         return max(micro_batches * share, total)
     return total + (micro_batches - 1) * share
 
@@ -217,6 +227,15 @@ class SegmentBound:
     cheap). ``figures(s, i, j)`` gives (fwd, bwd, reduce, tail) no larger than
     the step's own, ``cuts(s, j)`` (link_fwd, link_bwd).
 
+    [Note: bounds with several stages per rank] With v > 1 (Interleaved 1F1B,
+    Looped BFS) a rank runs its stages' actions interleaved: stage s's m
+    forwards and backwards still lie on one path (its rank's actions, one after
+    another, with others between them), micro-batch 0's forwards still reach it,
+    and its last backward (micro-batch m − 1's, each stage's last) still sends
+    the last gradient back through the stages before it, each all-reducing. So
+    the first two bounds hold; the wait term, which counts 1F1B's or GPipe's
+    warm-up forwards, is left out (0).
+
     [Note: bounds under a limit] Called with a ``limit`` (the best step found),
     the least sums range only over the placements that could still reach it:
     a stage holding [i, j) takes at least ``m·(f + b)`` of the step, so a
@@ -246,8 +265,10 @@ class SegmentBound:
         cuts: Callable[[int, int], Sequence[float]],
         floor: Callable[[int, int, int], Sequence[float]] | None = None,
         fits: Callable[[int, int, int], bool] | None = None,
+        virtual: int = 1,
     ) -> None:
         self.S, self.m, self.gpipe = n_stages, micro_batches, schedule == "gpipe"
+        self.several = virtual > 1  # [Note: bounds with several stages per rank]
         self.pos = list(positions)
         self.index = {q: a for a, q in enumerate(self.pos)}
         self.figures, self.cuts = figures, cuts
@@ -266,7 +287,9 @@ class SegmentBound:
         own = self.m * (f + b) + red
         link = sum(self.cuts(s, j)) if s < self.S - 1 else 0.0
         trip = link + suf[s + 1].get(j, inf)  # micro-batch 0 on to the last stage and back
-        if self.gpipe:  # after its m forwards
+        if self.several:
+            wait = 0.0
+        elif self.gpipe:  # after its m forwards
             wait = trip
         else:  # [Note: 1F1B's two round trips]
             last_trip = link + suf_red[s + 1].get(j, inf)

@@ -22,7 +22,7 @@ class FastestRecord(Record):
     """The fastest configuration the search solved, when the plan chose another.
 
     Attributes:
-        pp, dp, micro_batches, schedule: its configuration.
+        pp, dp, micro_batches, schedule, virtual: its configuration.
         step_ms: its predicted step.
         bubble_fraction: its pipeline bubble (as ``Predicted.bubble_fraction``).
         status: what is proven of ``step_ms`` over every contiguous placement of
@@ -40,6 +40,7 @@ class FastestRecord(Record):
     status: str
     gap: float | None = field(default=None, metadata=FIGURE)
     bound_ms: float | None = None  # not rounded: a lower bound must stay ≤ the step it bounds
+    virtual: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)

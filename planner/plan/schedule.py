@@ -33,8 +33,9 @@ DualPipeV), down the ranks and back up ("v": stages 0 and 2·pp − 1 on rank
 0). DualPipeV's overlapped forward-backward pairs are taken as their two
 parts in order (the overlap itself is not priced).
 
-``SCHEDULES`` are those the planner searches and the runtime runs;
-``SIMULATED`` adds those the simulator prices so far.
+``SCHEDULES`` (one stage per rank) and ``MULTI_STAGE`` (several) are those the
+planner searches and the runtime runs; ``SIMULATED`` adds those the simulator
+prices so far.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from types import SimpleNamespace
 from typing import NamedTuple
 
 __all__ = [
+    "MULTI_STAGE",
     "SCHEDULES",
     "SIMULATED",
     "Action",
@@ -57,7 +59,12 @@ __all__ = [
 ]
 
 SCHEDULES = ("gpipe", "1f1b")
-"""The schedules the planner searches and the runtime runs."""
+"""The one-stage-per-rank schedules the planner searches and the runtime runs."""
+
+MULTI_STAGE = ("interleaved-1f1b", "looped-bfs")
+"""The schedules of v ≥ 2 stages per rank the planner searches and the runtime runs
+(stage i on rank i mod pp); the zero-bubble ones are simulated only (runtime/schedule.py
+says why they are refused)."""
 
 SIMULATED: dict[str, tuple[str, str]] = {
     "gpipe": ("ScheduleGPipe", "loop"),

@@ -279,7 +279,7 @@ class Candidate(Record):
     predicted faster, but within the robust band of the fastest and less sturdy
     than the chosen one: :class:`~planner.plan.choice.ChoiceRecord`),
     "out_of_memory" (no placement fits), "pruned" (a lower bound already lost),
-    "timeout". ``reason`` says why in words.
+    "timeout". ``reason`` says why in words. ``virtual``: stages per pipeline rank.
     """
 
     pp: int
@@ -289,6 +289,7 @@ class Candidate(Record):
     step_ms: float | None = field(metadata=FIGURE)
     status: str
     reason: str
+    virtual: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -153,7 +153,7 @@ def summary(plan: Plan, tl: Timeline) -> list[tuple[str, str]]:
         ("cluster", _cluster(plan)),
         ("layout", f"pp {plan.pp} × dp {plan.dp} = {plan.world_size} devices"),
         ("batch", f"{batch} = global batch {plan.global_batch}"),
-        ("schedule", plan.schedule),
+        ("schedule", _schedule(plan.schedule, plan.virtual, len(plan.stages))),
         ("training", f"{plan.optimizer}, {plan.precision}"),
         (
             "step",
@@ -226,7 +226,8 @@ def _choice(plan: Plan) -> str:
         return f"the fastest predicted step (robust band ±{ch.band_pct:g} %)"
     more = (plan.predicted.step_ms - f.step_ms) / f.step_ms
     return (
-        f"chosen over pp {f.pp} × dp {f.dp}, m {f.micro_batches}, {f.schedule} "
+        f"chosen over pp {f.pp} × dp {f.dp}, m {f.micro_batches}, "
+        f"{_schedule(f.schedule, f.virtual)} "
         f"({fmt_ms(f.step_ms)} ms, solver status {f.status} for that configuration): "
         f"{100 * more:+.1f} % predicted, within the ±{ch.band_pct:g} % band"
     )
@@ -294,7 +295,8 @@ def candidate_rows(plan: Plan) -> list[Row]:
         if c.step_ms is not None and band > 0 and plan.choice is not None:
             lo, hi = plan.choice.interval(c.step_ms)
             step += f" ({fmt_ms(lo)}–{fmt_ms(hi)})"
-        cells = [str(c.pp), str(c.dp), str(c.micro_batches), c.schedule, step, c.status, c.reason]
+        sched = _schedule(c.schedule, c.virtual)
+        cells = [str(c.pp), str(c.dp), str(c.micro_batches), sched, step, c.status, c.reason]
         rows.append((cells, "chosen" if c.status == "chosen" else ""))
     return rows
 
@@ -337,3 +339,12 @@ def over_capacity(plan: Plan) -> list[str]:
                 f"{fmt_bytes(m.capacity)} ({fmt_pct(m.share)}): it will not fit"
             )
     return out
+
+
+def _schedule(name: str, virtual: int, stages: int = 0) -> str:
+    """ "1f1b", or "interleaved-1f1b v 2" (with ``stages``: "…, 2 stages per rank, 8 in all")."""
+    if virtual <= 1:
+        return name
+    if stages:
+        return f"{name}, {virtual} stages per rank ({stages} in all)"
+    return f"{name} v {virtual}"

@@ -14,9 +14,21 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
-__all__ = ["deepspeed_balanced", "parameter_minmax", "time_balanced", "uniform"]
+__all__ = [
+    "DEEPSPEED_SEED_WORK",
+    "deepspeed_balanced",
+    "parameter_minmax",
+    "time_balanced",
+    "uniform",
+    "warm_starts",
+]
+
+DEEPSPEED_SEED_WORK = 4_000_000
+"""blocks² × stages at most for DeepSpeed's split among the warm starts: its dynamic program
+costs that many steps (30 s for 512 blocks on 64 stages), and parameter_minmax already
+balances the same weights."""
 
 
 def _legal(n: int, n_stages: int, allowed: Collection[int] | None) -> list[int]:
@@ -255,3 +267,25 @@ def time_balanced(
     if all(x < y for x, y in itertools.pairwise(starts)) and set(targets) <= legal:
         return starts
     return _snap(targets, n, allowed)
+
+
+def warm_starts(
+    params: Sequence[float], works: Sequence[float], n_stages: int, allowed: Collection[int] | None
+) -> Iterator[tuple[int, ...]]:
+    """The partitioners' placements of ``n_stages`` stages (those with a stage each, each
+    once), each made when asked for: uniform, parameter-balanced, DeepSpeed's (where
+    cheap: ``DEEPSPEED_SEED_WORK``), time-balanced. The step solver's warm starts."""
+    n = len(params)
+    makers: list[Callable[[], Sequence[int]]] = [
+        lambda: uniform(n, n_stages, allowed),
+        lambda: parameter_minmax(params, n_stages, allowed),
+    ]
+    if n * n * n_stages <= DEEPSPEED_SEED_WORK:
+        makers.append(lambda: deepspeed_balanced(params, n_stages, allowed))
+    makers.append(lambda: time_balanced(works, n_stages, allowed))
+    seen: set[tuple[int, ...]] = set()
+    for make in makers:
+        seed = tuple(make())
+        if len(seed) == n_stages and seed not in seen:
+            seen.add(seed)
+            yield seed

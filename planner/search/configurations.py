@@ -1,7 +1,8 @@
 """The configurations the search considers, the ways to lay each on the ranks, and their bounds.
 
-A configuration is (pp, dp, m, schedule) with pp · dp devices and a
-micro-batch size b = B / (dp · m) that divides the global batch; a *layout*
+A configuration is (pp, dp, m, schedule, v) with pp · dp devices, v stages per
+pipeline rank (``MULTI_STAGE`` schedules: Interleaved 1F1B, Looped BFS; 1
+otherwise) and a micro-batch size b = B / (dp · m) that divides the global batch; a *layout*
 of it says which rank runs which stage of which replica. Each gets a lower
 bound on its step from the work alone (:func:`planner.cost.step_time.work_bound`)
 and, on GPUs, from the chain of the stages' gradient all-reduces that every
@@ -40,8 +41,8 @@ from planner.cost.step_time import (
 from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
 from planner.plan.records import ModelProfile
-from planner.plan.schedule import SCHEDULES, schedule_problem
 from planner.search.messages import nothing_possible
+from planner.search.schedules import Rejection, schedules
 
 __all__ = [
     "Config",
@@ -62,7 +63,6 @@ ThreadsFor = Callable[[int], tuple[Cluster, ProfileFor]]
 torch threads; the model's profiles measured at t threads): [Note: fewer CPU processes]."""
 
 Grid = tuple[tuple[int, ...], ...]
-Rejection = tuple[str, str]  # (why, fix)
 
 
 @dataclass(order=True)
@@ -83,6 +83,7 @@ class Config:
     grid: Grid = field(compare=False)
     cluster: Cluster = field(compare=False, repr=False)
     profile_for: ProfileFor = field(compare=False, repr=False)
+    virtual: int = field(default=1, compare=False)
 
 
 def local_cpu(cluster: Cluster) -> bool:
@@ -157,15 +158,19 @@ def configurations(
     options: SearchOptions,
     n_blocks: int | None = None,
     allowed_starts: frozenset[int] | None = None,
-) -> list[tuple[int, int, int, str]]:
-    """Every (pp, dp, micro_batches, schedule) the search considers.
+) -> list[tuple[int, int, int, str, int]]:
+    """Every (pp, dp, micro_batches, schedule, virtual) the search considers.
+
+    Multi-stage schedules (``MULTI_STAGE``) are tried at every v from 2 to
+    ``options.max_virtual`` with pp · v stages no more than the blocks can make
+    (v = 1 of Interleaved 1F1B is 1F1B); ``options.virtual`` pins v.
 
     Raises:
         ValueError: none is possible; the message gives the arithmetic of each
             rejection (batch divisibility, devices, more stages than blocks).
     """
     rejected: list[Rejection] = []
-    out: list[tuple[int, int, int, str]] = []
+    out: list[tuple[int, int, int, str, int]] = []
     n_dev = cluster.n_devices
     fewer = local_cpu(cluster) and not options.every_device  # [Note: fewer CPU processes]
     if n_blocks is None:
@@ -188,7 +193,8 @@ def configurations(
             continue
         for dp in _widths(pp, n_dev, training.global_batch, options, rejected, fewer):
             for m in _micro_batch_counts(training.global_batch, dp, options, rejected):
-                out += _schedules(pp, dp, m, options, rejected)
+                room = max_stages if n_blocks is not None else 2**31  # blocks unknown
+                out += schedules(pp, dp, m, options, rejected, room)
     if not out:
         raise ValueError(nothing_possible(training, cluster, options, rejected))
     return out
@@ -265,21 +271,6 @@ def _micro_batch_counts(
     return []
 
 
-def _schedules(
-    pp: int, dp: int, m: int, options: SearchOptions, rejected: list[Rejection]
-) -> list[tuple[int, int, int, str]]:
-    out = []
-    for sched in [options.schedule] if options.schedule else list(SCHEDULES):
-        if pp == 1 and sched == "1f1b":
-            continue  # one stage: both schedules are the same
-        problem = schedule_problem(sched, pp, m)
-        if problem is not None:
-            rejected.append(problem)
-            continue
-        out.append((pp, dp, m, sched))
-    return out
-
-
 def _batch_sizes(batch: int, step: int) -> str:
     """'--batch-size 28 or 32': the multiples of ``step`` nearest ``batch``."""
     lo, hi = batch // step * step, (batch // step + 1) * step
@@ -290,7 +281,7 @@ def bounded(
     profile_for: ProfileFor,
     cluster: Cluster,
     training: Training,
-    configs: list[tuple[int, int, int, str]],
+    configs: list[tuple[int, int, int, str, int]],
     threads_for: ThreadsFor | None = None,
 ) -> list[Config]:
     """Every configuration laid on the ranks, with its lower bound, best bound first.
@@ -305,7 +296,7 @@ def bounded(
     fastest: dict[tuple[int, int], tuple[float, float, float, float]] = {}
     cpu = local_cpu(cluster)
     out = []
-    for pp, dp, m, sched in configs:
+    for pp, dp, m, sched, v in configs:
         b = training.global_batch // (dp * m)
         counts = thread_counts(cluster, pp * dp) if threads_for is not None else [own]
         for t in counts:
@@ -316,7 +307,7 @@ def bounded(
             if (t, b) not in fastest:
                 fastest[(t, b)] = _work(prof_for, full, b, training)
             total, heaviest, last, wire = fastest[(t, b)]
-            bound = work_bound(total, heaviest, pp, m, sched)
+            bound = work_bound(total, heaviest, pp, m, sched, v)
             used = full
             if cpu:
                 corun = corun_slowdown(prof_for(full.device_types[0], b))
@@ -329,7 +320,7 @@ def bounded(
                 if full.backend != "gloo" and dp > 1:  # GPUs: every speed 1, graph = step
                     reduces = allreduce_floor(used.allreduce_time, grid, wire)
                     lb = max(lb, reduce_chain_bound(total, last, m, reduces))
-                out.append(Config(lb, pp, dp, m, sched, t, name + label, grid, used, prof_for))
+                out.append(Config(lb, pp, dp, m, sched, t, name + label, grid, used, prof_for, v))
     out.sort()
     return out
 

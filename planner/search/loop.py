@@ -1,7 +1,7 @@
 """The search: every configuration, bounded, solved, simulated, ranked; the sturdiest near the
 fastest wins.
 
-For every configuration (pp, dp, m, schedule) and each way of laying it on
+For every configuration (pp, dp, m, schedule, v) and each way of laying it on
 the cluster's ranks (:mod:`planner.search.configurations`):
 
 1. a **lower bound** on its step time, from the work alone; a configuration
@@ -16,7 +16,7 @@ the cluster's ranks (:mod:`planner.search.configurations`):
 Configurations are visited in order of their bound, so the best is usually
 found early and most others are pruned (against the best step plus the robust
 band: [Note: robust band] in :mod:`planner.search.robust`). The ranked
-candidates are kept with why each lost. Any of pp, dp, m, schedule can be pinned.
+candidates are kept with why each lost. Any of pp, dp, m, schedule, v can be pinned.
 
 Activation recompute is chosen per stage inside the cost model: a stage
 recomputes only when it would not fit otherwise.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +38,7 @@ from planner.cost.model import CostModel, Prediction
 from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
 from planner.plan.choice import ChoiceRecord
+from planner.plan.schedule import stage_ranks
 from planner.plan.sections import Candidate
 from planner.plan.text import first_line
 from planner.search import baselines
@@ -233,11 +234,11 @@ def _scouted_first(
         if cfg.bound >= best:
             break
         cost = _cost_model(cfg, training)
-        n, pp = cost.n_blocks, cost.layout.pp
+        n, S = cost.n_blocks, cost.layout.n_stages
         works = [b.fwd_ms + b.bwd_ms for b in cost.profile.blocks]
-        quick = (baselines.uniform(n, pp, allowed), baselines.time_balanced(works, pp, allowed))
+        quick = (baselines.uniform(n, S, allowed), baselines.time_balanced(works, S, allowed))
         for starts in quick:
-            if len(starts) != pp or not _fits(cost, starts):
+            if len(starts) != S or not cost.fits(starts):
                 continue
             step = cost.step_ms(starts)
             if step < best:
@@ -245,22 +246,25 @@ def _scouted_first(
     return [laid[first], *laid[:first], *laid[first + 1 :]]
 
 
-def _fits(cost: CostModel, starts: Sequence[int]) -> bool:
-    bounds = [*starts, cost.n_blocks]
-    return all(
-        cost.stage_memory(s, bounds[s], bounds[s + 1]) <= cost.capacity[s]
-        for s in range(cost.layout.pp)
-    )
-
-
 def _cost_model(cfg: Config, training: Training) -> CostModel:
     """The cost model of one laid configuration (profiles of each device type it uses)."""
     layout = Layout(
-        pp=cfg.pp, dp=cfg.dp, micro_batches=cfg.m, schedule=cfg.schedule, ranks=cfg.grid
+        pp=cfg.pp,
+        dp=cfg.dp,
+        micro_batches=cfg.m,
+        schedule=cfg.schedule,
+        ranks=_ranks(cfg),
+        virtual=cfg.virtual,
     )
     b = training.global_batch // (cfg.dp * cfg.m)
     types = sorted({cfg.cluster.devices[r].device.key for st in cfg.grid for r in st})
     return CostModel({t: cfg.profile_for(t, b) for t in types}, cfg.cluster, training, layout)
+
+
+def _ranks(cfg: Config) -> tuple[tuple[int, ...], ...]:
+    """Per stage, its ranks (one per replica): its pipeline rank's (``cfg.grid`` is per
+    pipeline rank; with v stages per rank, stage i runs where the schedule places it)."""
+    return tuple(cfg.grid[k] for k in stage_ranks(cfg.schedule, cfg.pp, cfg.virtual))
 
 
 def _best_note(solved: list[SearchResult]) -> str:
@@ -269,8 +273,9 @@ def _best_note(solved: list[SearchResult]) -> str:
         return ""
     r = min(solved, key=lambda r: r.prediction.step_ms)
     lay = r.layout
+    v = f" v {lay.virtual}" if lay.virtual > 1 else ""
     return (
-        f"best pp {lay.pp} × dp {lay.dp}, m {lay.micro_batches}, {lay.schedule}: "
+        f"best pp {lay.pp} × dp {lay.dp}, m {lay.micro_batches}, {lay.schedule}{v}: "
         f"{r.prediction.step_ms:.1f} ms"
     )
 
@@ -290,11 +295,12 @@ def _proven(
     sol = place(best.cost, options, allowed, prove=True, starts=[best.starts], closed_form=False)
     pred = best.cost.predict(sol.starts)
     for k, (cfg, cand) in enumerate(tried):
-        same = (cfg.pp, cfg.dp, cfg.m, cfg.schedule, cfg.grid, cfg.cluster) == (
+        same = (cfg.pp, cfg.dp, cfg.m, cfg.schedule, cfg.virtual, _ranks(cfg), cfg.cluster) == (
             best.layout.pp,
             best.layout.dp,
             best.layout.micro_batches,
             best.layout.schedule,
+            best.layout.virtual,
             best.layout.ranks,
             best.cost.cluster,
         )
@@ -343,7 +349,13 @@ def place(
     def seeds() -> Iterator[tuple[int, ...]]:
         """The warm starts, each made when the step solver asks for it (a configuration
         its bounds prune against the ceiling needs one placement, not all of them)."""
-        heuristics = _heuristics(cost, allowed)
+        blocks = cost.profile.blocks
+        heuristics = baselines.warm_starts(
+            [b.param_bytes for b in blocks],
+            [b.fwd_ms + b.bwd_ms for b in blocks],
+            cost.layout.n_stages,
+            allowed,
+        )
         yield from starts
         first = next(heuristics, None)  # uniform: the cheapest
         if first is not None:
@@ -372,29 +384,3 @@ def place(
         if refused:
             raise refused[0] from None  # its message names the block and the numbers
         raise
-
-
-DEEPSPEED_SEED_WORK = 4_000_000
-"""blocks² × stages at most for DeepSpeed's split among the warm starts: its dynamic program
-costs that many steps (30 s for 512 blocks on 64 stages), and parameter_minmax already
-balances the same weights."""
-
-
-def _heuristics(cost: CostModel, allowed: frozenset[int] | None) -> Iterator[tuple[int, ...]]:
-    """The usual partitioners' placements (those with a stage each), each made on demand."""
-    n, pp = cost.n_blocks, cost.layout.pp
-    params = [b.param_bytes for b in cost.profile.blocks]
-    works = [b.fwd_ms + b.bwd_ms for b in cost.profile.blocks]
-    makers: list[Callable[[], Sequence[int]]] = [
-        lambda: baselines.uniform(n, pp, allowed),
-        lambda: baselines.parameter_minmax(params, pp, allowed),
-    ]
-    if n * n * pp <= DEEPSPEED_SEED_WORK:
-        makers.append(lambda: baselines.deepspeed_balanced(params, pp, allowed))
-    makers.append(lambda: baselines.time_balanced(works, pp, allowed))
-    seen: set[tuple[int, ...]] = set()
-    for make in makers:
-        seed = tuple(make())
-        if len(seed) == pp and seed not in seen:
-            seen.add(seed)
-            yield seed

@@ -33,7 +33,7 @@ _CUT = {name: q for q, name in enumerate(FIGURES[4:])}  # link_fwd, link_bwd
 def closed_form_pays(cost: CostModel) -> bool:
     """Whether the closed-form ILP's placement is worth solving for as a warm start
     (``CLOSED_FORM_MAX``)."""
-    return cost.n_blocks * cost.layout.pp <= CLOSED_FORM_MAX
+    return cost.n_blocks * cost.layout.n_stages <= CLOSED_FORM_MAX
 
 
 def partition_problem(
@@ -52,7 +52,7 @@ def partition_problem(
     """
     return PartitionProblem(
         n_blocks=cost.n_blocks,
-        n_stages=cost.layout.pp,
+        n_stages=cost.layout.n_stages,
         micro_batches=cost.layout.micro_batches,
         seg_work=cost.stage_work,
         seg_memory=cost.stage_memory,
@@ -84,11 +84,11 @@ def step_problem(
     Σ m·(f + b) / R, after which stage 0 still all-reduces and steps (a row).
     """
     lay, n = cost.layout, cost.n_blocks
-    graph = step_graph(lay.schedule, lay.pp, lay.micro_batches)
+    graph = step_graph(lay.schedule, lay.n_stages, lay.micro_batches, lay.virtual)
     prices = _Prices(cost)
     legal = sorted(set(range(1, n) if allowed_starts is None else allowed_starts) - {0})
     bound = SegmentBound(  # each stage's own figures, its recompute choice included
-        n_stages=lay.pp,
+        n_stages=lay.n_stages,
         micro_batches=lay.micro_batches,
         schedule=lay.schedule,
         positions=[0, *legal, n],
@@ -96,11 +96,12 @@ def step_problem(
         cuts=prices.cuts,
         floor=lambda s, i, j: prices.priced(s, i, j, False),
         fits=lambda s, i, j: prices.memory_floor(s, i, j) <= cost.capacity[s],
+        virtual=lay.virtual,
     )
     tied = tuple(frozenset(users) for _, _, users in cost.basis.tied if len(set(users)) > 1)
     return StepProblem(
         n_blocks=n,
-        n_stages=lay.pp,
+        n_stages=lay.n_stages,
         seg_figures=prices.figures,
         cut_figures=prices.cuts,
         seg_memory=prices.memory,
@@ -119,6 +120,7 @@ def step_problem(
         allowed_starts=allowed_starts,
         stage_class=prices.classes,
         block_names=list(names) or None,
+        shared=cost.rank_stages(),
     )
 
 
@@ -144,7 +146,7 @@ class _Prices:
         self._floors: dict[tuple[int, int, int], float] = {}
         lay = cost.layout
         heaviest: dict[tuple[int, bool], int] = {}  # (time class, n < m) -> its fullest stage
-        for s in range(lay.pp):
+        for s in range(lay.n_stages):
             n, key = lay.in_flight(s), (self.times[s], lay.in_flight(s) < lay.micro_batches)
             if key not in heaviest or n > lay.in_flight(heaviest[key]):
                 heaviest[key] = s
@@ -221,12 +223,12 @@ class _Prices:
 
 def _throughput(cost: CostModel, prices: _Prices) -> list[Row]:
     """Shared cores: T ≥ Σ m·(f + b) alone / R + stage 0's all-reduce and tail."""
-    pp, m, speeds = cost.layout.pp, cost.layout.micro_batches, cost.time.speeds
-    if prices.exact or pp == 1:
+    lay, speeds = cost.layout, cost.time.speeds
+    if prices.exact or lay.pp == 1:
         return []
     R = max((k + 1) * r for k, r in enumerate(speeds))
-    c = m * prices.fastest / R
-    work = tuple((s, _SEG[q], c) for s in range(pp) for q in ("fwd", "bwd"))
+    c = lay.micro_batches * prices.fastest / R
+    work = tuple((s, _SEG[q], c) for s in range(lay.n_stages) for q in ("fwd", "bwd"))
     return [Row(seg=(*work, (0, _SEG["reduce"], 1.0), (0, _SEG["tail"], 1.0)))]
 
 

@@ -41,6 +41,7 @@ from planner.cost.basis import Layout
 from planner.cost.model import Prediction
 from planner.options import SearchOptions
 from planner.plan.choice import ChoiceRecord, FastestRecord
+from planner.plan.schedule import SCHEDULES
 from planner.solve.step_problem import StepSolution
 
 __all__ = [
@@ -56,7 +57,7 @@ __all__ = [
     "sturdiness",
 ]
 
-PINS = ("pp", "dp", "micro_batches", "schedule")
+PINS = ("pp", "dp", "micro_batches", "schedule", "virtual")
 """The configuration's parts a user can pin (``SearchOptions`` fields of these names)."""
 
 
@@ -65,7 +66,7 @@ class Sturdiness:
     """What the choice weighs of one solved candidate ([Note: robust band]).
 
     Attributes:
-        pp, dp, micro_batches, schedule: its configuration.
+        pp, dp, micro_batches, schedule, virtual: its configuration.
         step_ms: its predicted step.
         overhead: the share of the devices' step outside forward and backward.
         headroom: the free share of memory on its tightest device (1: unbounded).
@@ -80,15 +81,18 @@ class Sturdiness:
     overhead: float = 0.0
     headroom: float = 1.0
     bubble: float = 0.0
+    virtual: int = 1
 
     @property
-    def config(self) -> tuple[int, int, int, str]:
-        return (self.pp, self.dp, self.micro_batches, self.schedule)
+    def config(self) -> tuple[int, int, int, str, int]:
+        return (self.pp, self.dp, self.micro_batches, self.schedule, self.virtual)
 
     def key(self) -> tuple[object, ...]:
-        """The sturdiest first: fewer stages, less overhead, more headroom, faster."""
+        """The sturdiest first: fewer devices per pipeline, fewer stages on each (v), less
+        overhead, more headroom, faster."""
         return (
             self.pp,
+            self.virtual,
             round(self.overhead, 2),
             -round(self.headroom, 2),
             self.step_ms,
@@ -99,13 +103,14 @@ class Sturdiness:
 
     def name(self) -> str:
         """ "pp 2 × dp 8, m 64, 1f1b" """
-        return f"pp {self.pp} × dp {self.dp}, m {self.micro_batches}, {self.schedule}"
+        v = f" v {self.virtual}" if self.virtual > 1 else ""
+        return f"pp {self.pp} × dp {self.dp}, m {self.micro_batches}, {self.schedule}{v}"
 
 
 def sturdiness(layout: Layout, prediction: Prediction) -> Sturdiness:
     """The figures :func:`choose` weighs, of a solved layout's predicted step."""
     tl, step = prediction.timeline, prediction.step_ms
-    busy = sum(tl.busy_ms(s) for s in range(layout.pp))
+    busy = sum(tl.busy_ms(s) for s in range(layout.n_stages))  # stages' computes, all ranks
     overhead = 1.0 - busy / (layout.pp * step) if step > 0 else 0.0
     free = [
         1.0 - st.memory.total / st.capacity
@@ -117,6 +122,7 @@ def sturdiness(layout: Layout, prediction: Prediction) -> Sturdiness:
         dp=layout.dp,
         micro_batches=layout.micro_batches,
         schedule=layout.schedule,
+        virtual=layout.virtual,
         step_ms=step,
         overhead=max(0.0, overhead),
         headroom=min(free, default=1.0),
@@ -155,11 +161,13 @@ def choose(found: Sequence[Sturdiness], options: SearchOptions) -> Verdict:
     assert kept, "no candidate keeps the pins"
     fastest = min(kept, key=lambda k: (found[k].step_ms, found[k].key()))
     band = options.robust_band_pct
-    pinned = all(getattr(options, p) is not None for p in PINS)
+    pinned = all(getattr(options, p) is not None for p in PINS[:4]) and (
+        options.virtual is not None or options.schedule in SCHEDULES  # v 1 by the schedule
+    )
     if pinned:
         return Verdict(fastest, fastest, 0, band, pinned=True)
     ceiling = found[fastest].step_ms * (1 + band / 100)
-    best: dict[tuple[int, int, int, str], int] = {}  # a configuration: its fastest layout
+    best: dict[tuple[int, int, int, str, int], int] = {}  # a configuration: its fastest layout
     for k in kept:
         f = found[k]
         if f.step_ms <= ceiling:
@@ -189,6 +197,7 @@ def record(
         dp=fastest.dp,
         micro_batches=fastest.micro_batches,
         schedule=fastest.schedule,
+        virtual=fastest.virtual,
         step_ms=fastest.step_ms,
         bubble_fraction=fastest.bubble,
         status=proof.status,
@@ -200,7 +209,10 @@ def record(
 
 def _why_fastest(v: Verdict) -> str:
     if v.pinned:
-        return "the fastest predicted step: pp, dp, micro-batches and schedule are pinned"
+        return (
+            "the fastest predicted step: pp, dp, micro-batches, schedule and stages per rank "
+            "are pinned"
+        )
     if v.band_pct == 0:
         return "the fastest predicted step (robust band 0: the fastest is kept)"
     if not v.rivals:
@@ -239,8 +251,8 @@ def explain(chosen: Sturdiness, fastest: Sturdiness, band_pct: float, proof: Ste
         f"{proof_text(proof)}): {chosen.step_ms:.2f} ms, {100 * more:+.1f} % predicted, within "
         f"the ±{band_pct:g} % band of the cost model's error; "
     )
-    if chosen.pp != fastest.pp:
-        why = f"{_stages(chosen.pp)} instead of {fastest.pp}"
+    if (chosen.pp, chosen.virtual) != (fastest.pp, fastest.virtual):
+        why = _depths(chosen, fastest)
     elif round(chosen.overhead, 2) != round(fastest.overhead, 2):
         why = (
             f"overhead (bubble, exposed communication, optimizer step) {_pct(chosen.overhead)} "
@@ -259,7 +271,7 @@ def row_reason(chosen: Sturdiness, fastest: Sturdiness, options: SearchOptions) 
     more = (chosen.step_ms - fastest.step_ms) / fastest.step_ms
     return (
         f"the sturdiest within the ±{options.robust_band_pct:g} % band of the fastest "
-        f"({fastest.step_ms:.1f} ms, {more:+.1%}): {_stages(chosen.pp)} instead of {fastest.pp}, "
+        f"({fastest.step_ms:.1f} ms, {more:+.1%}): {_depths(chosen, fastest)}, "
         f"bubble {_pct(chosen.bubble)} instead of {_pct(fastest.bubble)}"
     )
 
@@ -273,6 +285,19 @@ def pruned_against(best_ms: float, options: SearchOptions) -> str:
 
 def _stages(n: int) -> str:
     return f"{n} stage{'s' if n != 1 else ''}"
+
+
+def _depths(chosen: Sturdiness, fastest: Sturdiness) -> str:
+    """ "2 stages instead of 16", or with several stages per rank "4 stages instead of 8
+    stages on 4 ranks"."""
+    if chosen.virtual == fastest.virtual == 1:
+        return f"{_stages(chosen.pp)} instead of {fastest.pp}"
+
+    def depth(x: Sturdiness) -> str:
+        n = _stages(x.pp * x.virtual)
+        return n if x.virtual == 1 else f"{n} on {x.pp} ranks"
+
+    return f"{depth(chosen)} instead of {depth(fastest)}"
 
 
 def _pct(x: float) -> str:

@@ -282,7 +282,7 @@ class _Run:
         """Evaluate every placement through the layers: the least is proven optimal."""
         count = self.t.count(layers)
         floor = math.inf if self.pruned_at is None else self.pruned_at  # the rest are above
-        for idx in self.t.paths(layers):
+        for idx in self.t.paths(layers, together=True):
             if tuple(idx) not in self.steps:
                 self.offer(idx)
             if time.perf_counter() > self.deadline:
@@ -290,6 +290,8 @@ class _Run:
                 return self.answer(
                     "time_limit", bound, "enumeration", "time limit during enumeration"
                 )
+        if self.best is None:
+            raise PartitionInfeasible(self.t.why_shared(next(self.t.paths(layers), None)))
         if floor < self.U:
             note = f"no placement at or below {floor:.6g} ms ({count} evaluated, the rest bounded)"
             return self.answer("bounded", floor, "enumeration", note)
@@ -327,6 +329,8 @@ class _Run:
         if ceiling is not None and outcome.infeasible:
             note = f"no placement at or below {ceiling:.6g} ms (proven; {outcome.detail})"
             return self.answer("bounded", ceiling, "milp", note)
+        if outcome.infeasible and self.best is None:  # the devices' shared memory rows
+            raise PartitionInfeasible(self.t.why_shared(None))
         path = chosen(self.t, x) if outcome.has_solution else None
         if path is not None and tuple(path) not in self.steps:
             step = self.offer(path)

@@ -89,6 +89,10 @@ def build_step_ilp(
         for s in range(S):
             terms = [(v, -t.bound(s, a, b)) for a, b, v in by_stage[s]]
             prob += pulp.LpAffineExpression([(T, 1.0), *terms]) >= 0, f"bound_{s}"
+    for k, group in enumerate(p.shared):  # the stages of one device fit it together
+        cap = p.capacity[group[0]]  # in units of it: bytes are 1e10, binaries 1
+        terms = [(v, t.mem(s, a, b) / cap) for s in group for a, b, v in by_stage[s]]
+        prob += pulp.LpAffineExpression(terms) <= 1.0, f"device_{k}"
     z = _joins(prob, t, layers, x, starts, ends)
     if ceiling is not None:
         prob += pulp.LpAffineExpression([(T, 1.0)]) <= ceiling, "ceiling"

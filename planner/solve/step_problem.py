@@ -112,6 +112,10 @@ class StepProblem:
         stage_class: per stage a label; stages with equal labels have equal
             figures (memory is still asked per stage).
         block_names: per block, a name for messages.
+        shared: groups of stages that run on one device (several stages per
+            rank: Interleaved 1F1B, Looped BFS): a group's ``seg_memory`` adds
+            up against the device's capacity (its stages' ``capacity``, equal).
+            A stage in no group has its device alone. Empty: every stage alone.
     """
 
     n_blocks: int
@@ -134,6 +138,7 @@ class StepProblem:
     allowed_starts: frozenset[int] | None = None
     stage_class: Sequence[int] | None = None
     block_names: Sequence[str] | None = None
+    shared: Sequence[tuple[int, ...]] = ()
 
     def __post_init__(self) -> None:
         for name in ("n_blocks", "n_stages"):
@@ -157,6 +162,13 @@ class StepProblem:
             raise ValueError(f"stage_class needs {self.n_stages} labels")
         if self.block_names is not None and len(self.block_names) != self.n_blocks:
             raise ValueError(f"block_names needs {self.n_blocks} names")
+        seen: set[int] = set()
+        for group in self.shared:
+            if any(not 0 <= s < self.n_stages or s in seen for s in group):
+                raise ValueError(f"shared groups must name distinct stages (got {self.shared})")
+            seen.update(group)
+            if len({self.capacity[s] for s in group}) > 1:
+                raise ValueError(f"the stages of shared group {group} must have one capacity")
 
 
 @dataclass(frozen=True, kw_only=True)

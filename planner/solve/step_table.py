@@ -100,7 +100,38 @@ class StepTable:
         return tuple(self.pos[a] for a in idx[:-1])
 
     def fits_all(self, idx: Sequence[int]) -> bool:
-        return all(self.fits(s, idx[s], idx[s + 1]) for s in range(self.S))
+        """Every stage fits its device, and every device its stages together (``shared``)."""
+        if not all(self.fits(s, idx[s], idx[s + 1]) for s in range(self.S)):
+            return False
+        return all(total <= cap for _, total, cap in self.shared_memory(idx))
+
+    def shared_memory(self, idx: Sequence[int]) -> list[tuple[tuple[int, ...], float, float]]:
+        """Per group of stages on one device (``shared``): (its stages, their summed peak
+        bytes in the placement ``idx``, the device's capacity)."""
+        return [
+            (g, sum(self.mem(s, idx[s], idx[s + 1]) for s in g), self.p.capacity[g[0]])
+            for g in self.p.shared
+        ]
+
+    def why_shared(self, idx: Sequence[int] | None) -> str:
+        """Why no placement fits when each stage fits alone but a device's stages together
+        do not (``idx``: a placement tried, for its numbers)."""
+        head = (
+            "no placement fits memory: each stage fits alone, but the stages sharing a "
+            "device do not fit it together"
+        )
+        fix = (
+            "fix: fewer stages per rank (--virtual-stages 1 or 2), more pipeline ranks, "
+            "recompute, or devices with more memory"
+        )
+        over = [x for x in (self.shared_memory(idx) if idx is not None else []) if x[1] > x[2]]
+        if not over:
+            return f"{head}; {fix}"
+        g, total, cap = max(over, key=lambda x: x[1] - x[2])
+        return (
+            f"{head}: e.g. stages {', '.join(map(str, g))} on one device need "
+            f"{total / 2**30:.2f} GiB together, {cap / 2**30:.2f} GiB usable; {fix}"
+        )
 
     def too_big(self, s: int, a: int, b: int, limit: float) -> bool:
         """Whether the segment, and so every longer one from its start, is beyond the
@@ -235,13 +266,16 @@ class StepTable:
         v, path = best.get(self.K, (math.inf, ()))
         return v, list(path) if path else None
 
-    def paths(self, layers: Layers) -> Iterator[list[int]]:
-        """Every placement through the layers, in index form (depth first)."""
+    def paths(self, layers: Layers, together: bool = False) -> Iterator[list[int]]:
+        """Every placement through the layers, in index form (depth first); ``together``:
+        only those whose devices hold their stages together (``shared``)."""
         idx = [0]
+        check = together and bool(self.p.shared)
 
         def walk(s: int) -> Iterator[list[int]]:
             if s == self.S:
-                yield list(idx)
+                if not check or self.fits_all(idx):
+                    yield list(idx)
                 return
             for b in layers[s].get(idx[-1], []):
                 idx.append(b)

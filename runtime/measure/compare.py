@@ -54,10 +54,12 @@ def comparison_table(plan: Plan, result: Measurement, width: int | None = None) 
     with_sync = plan.dp > 1 and plan.micro_batches == 1
     skip = plan.micro_batches if plan.dp > 1 and plan.micro_batches > 1 else None
     rows = []
+    on = plan.stage_ranks
     for st in plan.stages:
         got = result.stage_figures(st.index, skip_last_backward=skip)
         bwd_pred = st.bwd_ms + (st.sync_ms if with_sync else 0.0)
-        mem_pred = st.memory.total
+        # Several stages per rank: the rank's peak, measured and predicted (its stages summed).
+        mem_pred = sum(x.memory.total for x in plan.stages if on[x.index] == on[st.index])
         rows.append(
             [
                 str(st.index),
@@ -95,8 +97,8 @@ def comparison_table(plan: Plan, result: Measurement, width: int | None = None) 
     tail.append(f"err: {ERROR_CONVENTION} (−: slower or larger than predicted)")
     if plan.virtual > 1:
         tail.append(
-            f"{plan.virtual} stages per rank: each stage's step and measured memory are its "
-            "rank's (all its stages together)"
+            f"{plan.virtual} stages per rank: each stage's step and memory, predicted and "
+            "measured, are its rank's (all its stages together)"
         )
     methods = sorted({r.memory_method for r in result.records})
     tail.append(f"memory measured as: {'; '.join(methods)}")

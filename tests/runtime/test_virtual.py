@@ -1,8 +1,9 @@
 """Several stages per rank: Interleaved 1F1B and Looped BFS train like one process.
 
-Multi-process on CPU with gloo (tests/world.py). Each plan is a planned
-4-stage plan (pp 4) made into pp 2 × v 2, as ``planner.plan`` documents it
-(tests/plan/test_plan_consistency.py): stage k on pipeline rank k mod 2, so
+Multi-process on CPU with gloo (tests/world.py). Each plan is the search's own
+with pp 2 × v 2 pinned (one is a planned 4-stage plan made into pp 2 × v 2, as
+``planner.plan`` documents it: tests/plan/test_plan_consistency.py): stage k on
+pipeline rank k mod 2, so
 rank 0 runs stages 0 and 2 and rank 1 stages 1 and 3 (of each replica). Every
 case trains the pipelined model and a deep-copied single-process reference for
 3 optimizer steps on the same global batches and requires every step's loss
@@ -31,7 +32,7 @@ import pytest
 import torch
 from small_examples import batch, build, loss_for
 from torch import nn
-from virtual_plans import BATCH, planned_4, virtual_plan
+from virtual_plans import BATCH, planned_4, planned_virtual, virtual_plan
 from world import run_world
 
 from planner.plan import Plan, load_plan
@@ -55,6 +56,7 @@ class Case:
     optimizer: str = "adam"
     split: str = "auto"
     expect_method: str = "pipeline"
+    edited: bool = False  # a 4-stage plan edited into pp 2 × v 2, not the search's own
     plan_path: str = ""
 
 
@@ -62,7 +64,7 @@ WORLD2 = [
     Case("gpt-interleaved-tied", "gpt", "interleaved-1f1b", m=4),
     Case("gpt-looped-bfs-tied", "gpt", "looped-bfs", m=2),
     Case("mlp-interleaved-fx", "mlp", "interleaved-1f1b", m=2, split="fx", expect_method="fx"),
-    Case("mlp-looped-bfs-sgd", "mlp", "looped-bfs", m=4, optimizer="sgd"),
+    Case("mlp-looped-bfs-sgd", "mlp", "looped-bfs", m=4, optimizer="sgd", edited=True),
 ]
 WORLD4 = [
     Case("dp2-gpt-interleaved-tied", "gpt", "interleaved-1f1b", dp=2, m=2),
@@ -265,10 +267,16 @@ def plans_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def _planned(cases: list[Case], tmp: Path) -> list[Case]:
+    """Each case's plan: the search's own (pp 2 × v 2 pinned), or, for ``edited`` cases, a
+    4-stage plan made into pp 2 × v 2 by hand (the plan format's documented edit)."""
     out = []
     for case in cases:
-        four = planned_4(case.model, case.dp, case.m, case.optimizer)
-        path = virtual_plan(four, case.schedule, tmp / f"{case.name}.yaml")
+        path = tmp / f"{case.name}.yaml"
+        if case.edited:
+            four = planned_4(case.model, case.dp, case.m, case.optimizer)
+            virtual_plan(four, case.schedule, path)
+        else:
+            planned_virtual(case.model, case.schedule, case.dp, case.m, case.optimizer, path)
         out.append(dataclasses.replace(case, plan_path=str(path)))
     return out
 

@@ -1,5 +1,6 @@
-"""Plans of several stages per rank for the runtime's tests: a planned 4-stage plan made
-into pp 2 × v 2, as ``planner.plan`` documents it (tests/plan/test_plan_consistency.py)."""
+"""Plans of several stages per rank for the runtime's tests: planned by the search with
+pp 2 × v 2 pinned (:func:`planned_virtual`), or a planned 4-stage plan made into pp 2 × v 2,
+as ``planner.plan`` documents it (tests/plan/test_plan_consistency.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from planner.plan import Plan, load_plan
 from planner.plan.schedule import stage_ranks
 from planner.planning import plan_model
 
-__all__ = ["BATCH", "planned_4", "virtual_plan"]
+__all__ = ["BATCH", "planned_4", "planned_virtual", "virtual_plan"]
 
 BATCH = 8
 
@@ -37,6 +38,29 @@ def planned_4(model: str, dp: int, m: int, optimizer: str) -> Plan:
         ),
         model_file=f"{model}.py",
     )
+
+
+def planned_virtual(model: str, schedule: str, dp: int, m: int, optimizer: str, path: Path) -> Path:
+    """``model`` planned by the search as pp 2 × v 2 × ``dp`` running ``schedule`` (pinned),
+    saved at ``path``: the plan the planner writes, run as it is."""
+    torch.manual_seed(0)
+    x, y = batch(model, BATCH, 0)
+    plan = plan_model(
+        build(model),
+        (x, y),
+        cluster=from_gpus(2 * dp, "h100"),
+        loss_fn=loss_for(model),
+        options=PlanOptions(
+            training=Training(global_batch=BATCH, optimizer=optimizer),
+            search=SearchOptions(pp=2, dp=dp, micro_batches=m, schedule=schedule, virtual=2),
+        ),
+        model_file=f"{model}.py",
+    )
+    assert (plan.pp, plan.virtual, plan.dp, len(plan.stages)) == (2, 2, dp, 4), plan.layout
+    assert plan.stage_ranks == stage_ranks(schedule, 2, 2)
+    path.write_text(yaml.safe_dump(plan.to_dict(), sort_keys=False))
+    load_plan(path)
+    return path
 
 
 def virtual_plan(

@@ -110,7 +110,7 @@ def test_cpu_clusters_may_use_fewer_processes_gpu_clusters_all(cores) -> None:
     cores(2)
     cpu = {
         (pp, dp)
-        for pp, dp, _, _ in configurations(_cpu(8), Training(global_batch=8), SearchOptions())
+        for pp, dp, _, _, _ in configurations(_cpu(8), Training(global_batch=8), SearchOptions())
     }
     assert cpu == {(pp, 1) for pp in range(1, 9)} | {(pp, 2) for pp in range(1, 5)} | {
         (1, 4),
@@ -118,7 +118,7 @@ def test_cpu_clusters_may_use_fewer_processes_gpu_clusters_all(cores) -> None:
         (1, 8),
     }
     gpu = configurations(from_gpus(16, "h100"), Training(global_batch=32), SearchOptions())
-    assert {(pp, dp) for pp, dp, _, _ in gpu} == {(1, 16), (2, 8), (4, 4), (8, 2), (16, 1)}
+    assert {(pp, dp) for pp, dp, _, _, _ in gpu} == {(1, 16), (2, 8), (4, 4), (8, 2), (16, 1)}
     # pp · dp = 16, m | 32 / dp, GPipe at every m, 1F1B at m ≥ pp > 1: not one more.
     assert len(gpu) == (2 + 0) + (3 + 2) + (4 + 2) + (5 + 2) + (6 + 2)
 

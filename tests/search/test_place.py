@@ -21,6 +21,7 @@ from planner.devices.cluster import Cluster
 from planner.devices.cluster_file import parse_cluster
 from planner.options import SearchOptions, Training
 from planner.plan.records import BlockCost, ModelProfile, TiedSet
+from planner.plan.schedule import stage_ranks
 from planner.search import layouts
 from planner.search.loop import place
 from planner.solve import step as step_module
@@ -77,14 +78,23 @@ def _cluster(kind: str, devices: int) -> Cluster:
     return from_gpus(devices, "h100")
 
 
-def _parts(seed: int, kind: str) -> tuple[dict[str, ModelProfile], Cluster, Training, Layout]:
-    """A random small instance: its profiles per device type, cluster, training, layout."""
+def _parts(
+    seed: int, kind: str, several: bool = False
+) -> tuple[dict[str, ModelProfile], Cluster, Training, Layout]:
+    """A random small instance: its profiles per device type, cluster, training, layout;
+    ``several``: two stages per rank (Interleaved 1F1B or Looped BFS, pp 2)."""
     rng = random.Random(seed)
     n = rng.randint(4, 9)
-    pp = rng.choice([p for p in (2, 3, 4) if p <= n])
+    pp = 2 if several else rng.choice([p for p in (2, 3, 4) if p <= n])
     dp = rng.choice([1, 2])
-    schedule = rng.choice(["gpipe", "1f1b"])
-    m = rng.choice([pp, pp + 1, 2 * pp]) if schedule == "1f1b" else rng.choice([1, 2, 3, 4])
+    v = 2 if several else 1
+    schedule = rng.choice(["interleaved-1f1b", "looped-bfs"] if several else ["gpipe", "1f1b"])
+    if schedule == "1f1b":
+        m = rng.choice([pp, pp + 1, 2 * pp])
+    elif schedule == "interleaved-1f1b":
+        m = rng.choice([2, 4])
+    else:
+        m = rng.choice([1, 2, 3, 4])
     cluster = _cluster(kind, 4 * dp if kind == "mixed" else pp * dp)
     grid = rng.choice(layouts(cluster, pp, dp))[1]
     tied = rng.random() < 0.5
@@ -92,17 +102,18 @@ def _parts(seed: int, kind: str) -> tuple[dict[str, ModelProfile], Cluster, Trai
     profiles = {
         t: _profile(random.Random(seed), n, t, 1.0 + 0.5 * k, tied) for k, t in enumerate(types)
     }
-    layout = Layout(pp=pp, dp=dp, micro_batches=m, schedule=schedule, ranks=grid)
+    ranks = tuple(grid[k] for k in stage_ranks(schedule, pp, v))
+    layout = Layout(pp=pp, dp=dp, micro_batches=m, schedule=schedule, ranks=ranks, virtual=v)
     return profiles, cluster, Training(global_batch=4 * dp * m), layout
 
 
-def _instance(seed: int, kind: str) -> CostModel:
-    return CostModel(*_parts(seed, kind))
+def _instance(seed: int, kind: str, several: bool = False) -> CostModel:
+    return CostModel(*_parts(seed, kind, several))
 
 
 def _brute_force(cost: CostModel) -> float | None:
     best = None
-    for cuts in itertools.combinations(range(1, cost.n_blocks), cost.layout.pp - 1):
+    for cuts in itertools.combinations(range(1, cost.n_blocks), cost.layout.n_stages - 1):
         pred = cost.predict((0, *cuts))
         if pred.fits and (best is None or pred.step_ms < best):
             best = pred.step_ms
@@ -124,6 +135,15 @@ def _check(cost: CostModel) -> str:
 
 
 KINDS = ["h100", "two-nodes", "mixed", "small-memory"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_stages_per_rank_are_placed_optimally_with_their_memory_summed(kind: str) -> None:
+    """Interleaved 1F1B and Looped BFS, pp 2 × v 2: the solver's placement against every
+    placement simulated, a rank's two stages summed against its device."""
+    statuses = [_check(_instance(700 + seed, kind, several=True)) for seed in range(8)]
+    assert all(s in ("optimal", "infeasible") for s in statuses), statuses
+    assert statuses.count("optimal") >= 4
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -223,8 +243,9 @@ def test_one_run_of_blocks_recomputes_on_an_early_1f1b_stage_and_not_on_a_late_o
         assert graph == pytest.approx(step, rel=REL)
 
 
+@pytest.mark.parametrize("several", [False, True], ids=["v1", "v2"])
 @pytest.mark.parametrize("kind", ["h100", "two-nodes", "mixed", "small-memory"])
-def test_every_lower_bound_is_below_the_step_of_every_placement(kind: str) -> None:
+def test_every_lower_bound_is_below_the_step_of_every_placement(kind: str, several: bool) -> None:
     """The bounds the search prunes with and the solver proves with never exceed a
     placement's simulated step: each segment's bound (on every placement holding that
     segment), and a configuration's bound (the work, the all-reduce chain)."""
@@ -232,7 +253,7 @@ def test_every_lower_bound_is_below_the_step_of_every_placement(kind: str) -> No
     from planner.search.partition import step_problem
 
     for seed in range(16):
-        profiles, cluster, training, lay = _parts(500 + seed, kind)
+        profiles, cluster, training, lay = _parts(500 + seed, kind, several)
         cost = CostModel(profiles, cluster, training, lay)
         problem = step_problem(cost)
         assert problem.seg_bound is not None and problem.seg_floor is not None
@@ -245,11 +266,12 @@ def test_every_lower_bound_is_below_the_step_of_every_placement(kind: str) -> No
             ),
             cluster,
             training,
-            [(lay.pp, lay.dp, lay.micro_batches, lay.schedule)],
+            [(lay.pp, lay.dp, lay.micro_batches, lay.schedule, lay.virtual)],
         )
-        floor = next(c.bound for c in configs if c.grid == lay.ranks)
-        n = cost.n_blocks
-        for s in range(lay.pp):  # the floors the solver stops a stage's runs at
+        grid = tuple(lay.ranks[lay.stage_ranks.index(k)] for k in range(lay.pp))
+        floor = next(c.bound for c in configs if c.grid == grid)
+        n, S = cost.n_blocks, lay.n_stages
+        for s in range(S):  # the floors the solver stops a stage's runs at
             for i in range(n):
                 mem = [cost.memory_floor(s, i, j) for j in range(i + 1, n + 1)]
                 assert mem == [mem_floor(s, i, j) for j in range(i + 1, n + 1)]  # shared
@@ -257,15 +279,12 @@ def test_every_lower_bound_is_below_the_step_of_every_placement(kind: str) -> No
                 assert mem == sorted(mem) and work == sorted(work)
                 for j in range(i + 1, n + 1):
                     assert cost.memory_floor(s, i, j) <= cost.stage_memory(s, i, j) * (1 + REL)
-        for cuts in itertools.combinations(range(1, cost.n_blocks), lay.pp - 1):
+        for cuts in itertools.combinations(range(1, cost.n_blocks), S - 1):
             bounds = [0, *cuts, cost.n_blocks]
             step = cost.step_ms(tuple(bounds[:-1]))
             assert floor <= step * (1 + REL), (seed, bounds)
-            fits = all(
-                cost.stage_memory(s, bounds[s], bounds[s + 1]) <= cost.capacity[s]
-                for s in range(lay.pp)
-            )
-            for s in range(lay.pp if fits else 0):  # bounds are of placements that fit
+            fits = cost.fits(tuple(bounds[:-1]))
+            for s in range(S if fits else 0):  # bounds are of placements that fit
                 seg = problem.seg_bound(s, bounds[s], bounds[s + 1], step * (1 + REL))
                 assert seg <= step * (1 + REL), (seed, s, bounds, seg, step)
                 assert seg_floor(s, bounds[s], bounds[s + 1]) <= step * (1 + REL)

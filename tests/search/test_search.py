@@ -106,3 +106,56 @@ def test_layouts_for_mixed_devices_try_both_orders() -> None:
     assert "replicas-inside" in names and "reversed replicas-inside" in names
     homo = from_gpus(4, "h100")
     assert len(layouts(homo, 2, 2)) == 1
+
+
+# ---------------------------------------------------------------- several stages per rank
+
+
+def test_the_default_search_keeps_one_stage_per_rank() -> None:
+    res = _search()
+    assert res.layout.virtual == 1
+    assert {c.virtual for c in res.candidates} == {1}
+    assert {c.schedule for c in res.candidates} <= {"gpipe", "1f1b"}
+
+
+def test_interleaved_is_searched_when_asked_and_its_memory_is_per_rank() -> None:
+    """pp 2 × v 2 pinned: four stages, stage i on rank i mod 2, each rank's two stages
+    summed against its device; the simulated step beats 1F1B's at the same pp and m."""
+    res = _search(devices=2, batch=8, pp=2, micro_batches=8, schedule="interleaved-1f1b", virtual=2)
+    lay, pred = res.layout, res.prediction
+    assert (lay.pp, lay.virtual, lay.n_stages, lay.schedule) == (2, 2, 4, "interleaved-1f1b")
+    assert pred.stage_ranks == (0, 1, 0, 1)
+    totals = [sum(st.memory.total for st in pred.stages if st.index % 2 == k) for k in (0, 1)]
+    assert pred.rank_memory == pytest.approx(tuple(totals))
+    assert pred.fits and res.solution.step == pytest.approx(pred.step_ms)
+    assert res.solution.bound <= pred.step_ms
+    one = _search(devices=2, batch=8, pp=2, micro_batches=8, schedule="1f1b")
+    assert pred.step_ms < one.prediction.step_ms  # the bubble shrinks with v
+
+
+def test_max_virtual_adds_the_multi_stage_schedules_to_the_search() -> None:
+    res = _search(devices=4, batch=16, pp=4, max_virtual=2, robust_band_pct=0)
+    kinds = {(c.schedule, c.virtual) for c in res.candidates}
+    assert {("interleaved-1f1b", 2), ("looped-bfs", 2), ("1f1b", 1)} <= kinds
+    best = min(c.step_ms for c in res.candidates if c.step_ms is not None)
+    assert res.prediction.step_ms == pytest.approx(best)
+
+
+def test_two_stages_that_fit_alone_but_not_together_are_refused() -> None:
+    """Each stage of a rank fits its device, the two together do not: no plan."""
+    cluster = from_gpus(2, "h100")
+    n, cap = 8, cluster.devices[0].device.memory_bytes
+    # A block: weights, gradients and Adam's two moments, a third of a device: a stage of
+    # two blocks fits, and a rank holds at least four of the eight (two stages).
+    profiles = chain_profiles(n, param_bytes=int(cap // 12), heavy_ends=False)
+    with pytest.raises(ValueError, match="together"):
+        search(
+            profiles, cluster, Training(global_batch=8),
+            SearchOptions(pp=2, micro_batches=8, schedule="interleaved-1f1b", virtual=2),
+            n_blocks=n,
+        )  # fmt: skip
+
+
+def test_a_one_stage_schedule_with_virtual_stages_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="virtual-stages 1"):
+        _search(devices=2, batch=8, pp=2, schedule="1f1b", virtual=2)

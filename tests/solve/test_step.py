@@ -77,9 +77,10 @@ def _brute(p: StepProblem) -> float | None:
     for cuts in itertools.combinations(range(1, p.n_blocks), p.n_stages - 1):
         starts = (0, *cuts)
         bounds = [*starts, p.n_blocks]
-        if any(
-            p.seg_memory(s, bounds[s], bounds[s + 1]) > p.capacity[s] for s in range(p.n_stages)
-        ):
+        mem = [p.seg_memory(s, bounds[s], bounds[s + 1]) for s in range(p.n_stages)]
+        if any(mem[s] > p.capacity[s] for s in range(p.n_stages)):
+            continue
+        if any(sum(mem[s] for s in g) > p.capacity[g[0]] for g in p.shared):
             continue
         t = p.evaluate(starts)
         best = t if best is None or t < best else best
@@ -104,6 +105,38 @@ def test_exact_problems_are_solved_to_the_brute_force_optimum(
         assert sol.step == pytest.approx(best, rel=REL)
         assert sol.step == pytest.approx(p.evaluate(sol.starts), rel=REL)
         assert best * (1 - 1e-6) <= sol.bound <= best * (1 + REL)
+
+
+@pytest.mark.parametrize("enumerate_max", [0, 10**6])
+def test_stages_sharing_a_device_fit_it_together(
+    enumerate_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several stages per rank: stage s on device s mod 2, their memory summed (brute force).
+    Tight capacities make the unshared optimum unfit in some seeds, and none fit in others."""
+    monkeypatch.setattr(step_module, "ENUMERATE_MAX", enumerate_max)
+    differs = refused = 0
+    for seed in range(40):
+        base = _problem(seed)
+        S = base.n_stages
+        if S < 3:
+            continue
+        groups = tuple(tuple(range(k, S, 2)) for k in range(2))
+        total = base.seg_memory(0, 0, base.n_blocks)
+        cap = total * (0.5 + 0.05 * (seed % 5))  # 0.50 … 0.70 of the whole chain per device
+        shared = dataclasses.replace(base, shared=groups, capacity=[cap] * S)
+        alone = dataclasses.replace(base, capacity=[cap] * S)
+        best, free = _brute(shared), _brute(alone)
+        if best is None:
+            refused += 1
+            with pytest.raises(PartitionInfeasible, match="together"):
+                solve_step(shared)
+            continue
+        sol = solve_step(shared)
+        assert sol.status == "optimal"
+        assert sol.step == pytest.approx(best, rel=REL)
+        assert StepTable(shared).fits_all(StepTable(shared).indices(sol.starts))
+        differs += free is not None and best > free * (1 + 1e-9)
+    assert differs >= 1 and refused >= 1  # both cases met
 
 
 def test_bounded_problems_never_claim_more_than_they_prove(monkeypatch: pytest.MonkeyPatch) -> None:
