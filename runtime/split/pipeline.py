@@ -10,12 +10,13 @@ import torch.fx
 from torch import nn
 from torch.distributed.pipelining import Pipe, pipe_split, pipeline
 from torch.export import ExportedProgram
+from torch.export.unflatten import InterpreterModule
 from torch.utils import _pytree as pytree
 
 from runtime.split.errors import Example, StageError
 from runtime.split.relay import relay
 
-__all__ = ["output_restorer", "split_pipeline"]
+__all__ = ["compiled", "output_restorer", "split_pipeline"]
 
 
 def split_pipeline(
@@ -63,7 +64,40 @@ def split_pipeline(
         for m, training in modes:
             m.training = training
     relay(pipe)
+    compiled(pipe.split_gm)
     return pipe, output_restorer(pipe, exported[0].call_spec.out_spec)
+
+
+def compiled(module: nn.Module) -> int:
+    """Make export's stage modules run their graphs' generated code; returns how many.
+
+    [Note: the stages run generated code] ``pipeline()`` builds each stage from
+    ``torch.export``'s unflattened modules (``InterpreterModule``), which by
+    default execute their graph through ``torch.fx.Interpreter``, one Python
+    call per node: on small, op-heavy stages that doubles the step (a 2-stage
+    Llama from transformers, forward and backward: 10.9 ms interpreted, 5.6 ms
+    generated code), while the profile timed the same blocks as generated code.
+    Each module then runs the code its graph generates, called on the module
+    itself (what torch does under dynamo: the same graph, the same attributes).
+    Two things first: the code is generated again from the graph as it is now
+    (``relay`` edits the graphs after export generated it), and a node named
+    ``self`` (a call of a submodule named so, BERT's ``attention.self``) is
+    renamed: as a local variable it would hide the module in the code.
+    """
+    count = 0
+    for m in module.modules():
+        if not isinstance(m, InterpreterModule) or not getattr(m, "_run_with_interpreter", 0):
+            continue
+        gm = m.__dict__.get("graph_module")  # set by finalize(), outside the submodules
+        if gm is None:
+            continue
+        for node in m.graph.nodes:
+            if node.name == "self":
+                node._rename("self_")
+        gm.recompile()
+        m._run_with_interpreter = False
+        count += 1
+    return count
 
 
 @contextlib.contextmanager
