@@ -34,7 +34,10 @@ def test_profile_prints_the_table_ties_and_check_line(capsys) -> None:
     assert rc == 0
     assert "tok_emb" in out and "head" in out
     assert "tied: tok_emb.weight = head.weight" in out
-    assert "check: Σ blocks fwd+bwd + loss" in out and "vs whole model" in out
+    # Judged on a quiet machine ("check: Σ blocks …"), or "check: not judged: machine busy
+    # (…); Σ blocks …" under load; the line may fold anywhere.
+    line = " ".join(out[out.index("check: ") :].split())
+    assert "Σ blocks fwd+bwd + loss = " in line and " ms vs whole model " in line, line
 
 
 def test_profile_json_is_a_model_profile(capsys) -> None:
