@@ -56,6 +56,9 @@ SECTIONS: dict[str, Section] = {
     "published": Section(
         ("bench.bench_published",), 120, "published peers' figures beside the planner's"
     ),
+    "schedules": Section(
+        ("bench.bench_schedules",), 600, "the schedules' search against GPipe/1F1B and torchtitan"
+    ),
 }
 QUICK_TOTAL_S = 30 * 60
 

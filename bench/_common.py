@@ -11,7 +11,7 @@ from typing import Any
 
 
 def plan_layout(plan: Any) -> Any:
-    """The Layout (pp, dp, m, schedule, ranks) a plan trains with."""
+    """The Layout (pp, dp, m, schedule, ranks, stages per rank) a plan trains with."""
     from planner.cost import Layout
 
     return Layout(
@@ -20,6 +20,7 @@ def plan_layout(plan: Any) -> Any:
         micro_batches=plan.micro_batches,
         schedule=plan.schedule,
         ranks=tuple(tuple(s.ranks) for s in plan.stages),
+        virtual=plan.virtual,
     )
 
 
