@@ -9,6 +9,15 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+__all__ = ["config_text", "knobs", "merged", "plan_layout", "table", "write_json"]
+
+
+def config_text(layout: Any) -> str:
+    """A Layout's or a Plan's configuration in words: "pp 4 × dp 2, m 8, 1f1b", with
+    ", v 2" after it when it has several stages per rank."""
+    text = f"pp {layout.pp} × dp {layout.dp}, m {layout.micro_batches}, {layout.schedule}"
+    return text + (f", v {layout.virtual}" if layout.virtual > 1 else "")
+
 
 def plan_layout(plan: Any) -> Any:
     """The Layout (pp, dp, m, schedule, ranks, stages per rank) a plan trains with."""

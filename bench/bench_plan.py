@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench._common import knobs, plan_layout, write_json
+from bench._common import config_text, knobs, plan_layout, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "plan.json"
@@ -234,11 +234,6 @@ def _baseline_starts(name: str, prof: Any, pp: int) -> tuple[int, ...]:
     return bl.time_balanced([b.fwd_ms + b.bwd_ms for b in prof.blocks], pp)
 
 
-def _config(lay: Any) -> str:
-    """A Layout's or a Plan's configuration in words."""
-    return f"pp {lay.pp} × dp {lay.dp}, m {lay.micro_batches}, {lay.schedule}"
-
-
 def cost_models(plan: Any, cluster: Any, training: Any) -> Any:
     """layout -> its CostModel, from the profiles the plan keeps (as the search priced it)."""
     from planner.cost import CostModel
@@ -304,7 +299,7 @@ def compare(plan: Any, cluster: Any, training: Any, search_options: Any) -> dict
                 pred = cm.predict(_baseline_starts(name, cm.profile, pp))
                 now = best[name]
                 if pred.fits and (now is None or pred.step_ms < now[0]):
-                    best[name] = (pred.step_ms, _config(lay))
+                    best[name] = (pred.step_ms, config_text(lay))
     for name in BASELINES:
         found = best[name]
         out[name]["at_best"] = {
@@ -374,7 +369,7 @@ def row(example: str, cluster_name: str, *, quick: bool, large: bool) -> dict[st
         "global_batch": batch,
         "precision": training.precision,
         "ours": {
-            "config": _config(plan),
+            "config": config_text(plan),
             "pp": plan.pp,
             "step_ms": plan.predicted.step_ms,
             "solver": plan.solver.status,

@@ -41,9 +41,25 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from bench._common import knobs, write_json
+from bench._common import config_text, knobs, write_json
+
+__all__ = [
+    "EXAMPLES",
+    "GPU_CLUSTERS",
+    "LLAMA_BATCH_PER_DEVICE",
+    "OUT",
+    "ROWS",
+    "TITAN_V",
+    "Row",
+    "Workload",
+    "format_rows",
+    "main",
+    "run_row",
+    "summarize",
+    "titan_default",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "schedules.json"
@@ -91,8 +107,21 @@ def _cluster(name: str) -> Any:
     return from_gpus(int(count), kind)
 
 
-def _model(row: Row, n_devices: int) -> tuple[Any, Callable[[int], Any], Any, int, int]:
-    """(model on meta, sampler, loss, global batch, target blocks)."""
+class Workload(NamedTuple):
+    """A row's model on the meta device and what planning it takes: ``size`` its size in
+    words (bench_plan's large knobs, or the Llama's shape), ``batch`` the global batch,
+    ``target`` the chain's target blocks."""
+
+    model: Any
+    sampler: Callable[[int], Any]
+    loss: Any
+    batch: int
+    target: int
+    size: str
+
+
+def _model(row: Row, n_devices: int) -> Workload:
+    """The row's model on meta, with its sampler, loss, global batch and size (``Workload``)."""
     import torch
 
     from bench.bench_plan import LARGE, to_device
@@ -110,7 +139,10 @@ def _model(row: Row, n_devices: int) -> tuple[Any, Callable[[int], Any], Any, in
                 ids, targets = token_batch(c, b)
             return (ids,), {}, targets
 
-        return llama, tokens, loss_fn, LLAMA_BATCH_PER_DEVICE * n_devices, c.layers + 2
+        size = f"{c.layers} layers, dim {c.dim}, ffn {c.ffn}, seq {c.seq}"
+        return Workload(
+            llama, tokens, loss_fn, LLAMA_BATCH_PER_DEVICE * n_devices, c.layers + 2, size
+        )
     knob_text, per_device = LARGE[row.example]
     env = dict(kv.split("=") for kv in knob_text.split())
     with knobs(env):
@@ -123,31 +155,29 @@ def _model(row: Row, n_devices: int) -> tuple[Any, Callable[[int], Any], Any, in
             s = mf.sample(b)
         return to_device("meta", (s.args, s.kwargs, s.targets))
 
-    return model, sampler, mf.loss, per_device * n_devices, 32
+    return Workload(model, sampler, mf.loss, per_device * n_devices, 32, knob_text)
 
 
-def _plan(row: Row, max_virtual: int, limit_s: float) -> tuple[Any, float, Any, Any]:
-    """(plan, planning seconds, cluster, training) of one search."""
-    from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
+def _plan(
+    work: Workload, cluster: Any, training: Any, max_virtual: int, limit_s: float
+) -> tuple[Any, float]:
+    """(plan, planning seconds) of one search of ``work`` on ``cluster``."""
+    from planner.options import PlanOptions, ProfileOptions, SearchOptions
     from planner.planning import plan_model
 
-    cluster = _cluster(row.cluster)
-    model, sampler, loss, batch, target = _model(row, cluster.n_devices)
-    training = Training(global_batch=batch, precision="bf16-mixed", optimizer="adam")
     options = PlanOptions(
         training=training,
         search=SearchOptions(time_limit_s=limit_s, robust_band_pct=0.0, max_virtual=max_virtual),
-        profile=ProfileOptions(target_blocks=target),
+        profile=ProfileOptions(target_blocks=work.target),
     )
     t0 = time.perf_counter()
-    plan = plan_model(model, sampler, cluster=cluster, loss_fn=loss, options=options)
-    return plan, time.perf_counter() - t0, cluster, training
+    plan = plan_model(work.model, work.sampler, cluster=cluster, loss_fn=work.loss, options=options)
+    return plan, time.perf_counter() - t0
 
 
 def _described(plan: Any, seconds: float) -> dict[str, Any]:
     return {
-        "config": f"pp {plan.pp} × dp {plan.dp}, m {plan.micro_batches}, {plan.schedule}"
-        + (f", v {plan.virtual}" if plan.virtual > 1 else ""),
+        "config": config_text(plan),
         "pp": plan.pp,
         "virtual": plan.virtual,
         "step_ms": plan.predicted.step_ms,
@@ -182,16 +212,21 @@ def titan_default(
             now = out.get(pp)
             key = (not pred.fits, pred.step_ms)
             if now is None or key < (not now[1], now[0]):
-                out[pp] = (pred.step_ms, pred.fits, f"pp {pp} × dp {dp}, m {pp}, v 2, {how}")
+                text = f"pp {pp} × dp {dp}, m {pp}, v {TITAN_V}, {how}"
+                out[pp] = (pred.step_ms, pred.fits, text)
     return out
 
 
 def run_row(row: Row, max_virtual: int, limit_s: float) -> dict[str, Any]:
     """Both searches and torchtitan's default on one row."""
     from bench.bench_plan import cost_models
+    from planner.options import Training
 
-    one, one_s, _, _ = _plan(row, 1, limit_s)
-    new, new_s, cluster, training = _plan(row, max_virtual, limit_s)
+    cluster = _cluster(row.cluster)
+    work = _model(row, cluster.n_devices)  # built once: both searches plan the same model
+    training = Training(global_batch=work.batch, precision="bf16-mixed", optimizer="adam")
+    one, one_s = _plan(work, cluster, training, 1, limit_s)
+    new, new_s = _plan(work, cluster, training, max_virtual, limit_s)
     n = cluster.n_devices
     cm = cost_models(new, cluster, training)
     pps = [p for p in range(2, n + 1) if n % p == 0]
@@ -205,7 +240,7 @@ def run_row(row: Row, max_virtual: int, limit_s: float) -> dict[str, Any]:
         "example": row.example,
         "cluster": row.cluster,
         "devices": n,
-        "size": _model_size(row),
+        "size": work.size,
         "parameters": new.model.parameters,
         "blocks": new.model.blocks,
         "global_batch": training.global_batch,
@@ -222,15 +257,6 @@ def run_row(row: Row, max_virtual: int, limit_s: float) -> dict[str, Any]:
         "ratio_torchtitan": None if best is None else best[0] / ours,
         "ratio_torchtitan_at_ours": at_ours[0] / ours if at_ours and at_ours[1] else None,
     }
-
-
-def _model_size(row: Row) -> str:
-    from bench.bench_plan import LARGE
-
-    if row.example.startswith("llama"):
-        c = _llama_config(row.example)
-        return f"{c.layers} layers, dim {c.dim}, ffn {c.ffn}, seq {c.seq}"
-    return LARGE[row.example][0]
 
 
 def summarize(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

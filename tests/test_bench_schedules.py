@@ -36,6 +36,7 @@ def test_torchtitans_default_is_its_even_interleaved_split_at_m_equal_pp() -> No
     got = bs.titan_default(_Cost, cluster, 24, 12, [2, 4, 8])
     assert sorted(got) == [2, 4]
     assert got[2][1] is False and got[4] == (25.0, True, got[4][2])
+    assert got[4][2].startswith("pp 4 × dp 2, m 4, v 2, ")  # no schedule: it is always one
     for lay, starts in seen:
         assert lay.schedule == "interleaved-1f1b" and lay.virtual == 2
         assert lay.micro_batches == lay.pp and lay.dp == 8 // lay.pp
@@ -46,6 +47,17 @@ def test_torchtitans_default_is_its_even_interleaved_split_at_m_equal_pp() -> No
         assert all(lay.ranks[s] == lay.ranks[on.index(on[s])] for s in range(len(on)))
     # dp · m = 8 at every pp: a batch of 12 splits into none of them
     assert bs.titan_default(_Cost, cluster, 12, 12, [2, 4]) == {}
+
+
+def test_config_text_names_the_stages_per_rank_only_when_several() -> None:
+    from bench._common import config_text
+    from planner.cost import Layout
+
+    ranks = ((0, 1), (2, 3))
+    one = Layout(pp=2, dp=2, micro_batches=8, schedule="1f1b", ranks=ranks)
+    looped = Layout(pp=2, dp=2, micro_batches=8, schedule="looped-bfs", ranks=ranks * 2, virtual=2)
+    assert config_text(one) == "pp 2 × dp 2, m 8, 1f1b"  # bench_plan's text, as before
+    assert config_text(looped) == "pp 2 × dp 2, m 8, looped-bfs, v 2"
 
 
 def _row(name: str, one: float, titan: float | None, pp: int, v: int = 1) -> dict[str, Any]:
