@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 
 from planner.plan.fields import option, option_error
 from planner.plan.schedule import MULTI_STAGE, SCHEDULES
+from planner.plan.sections import DP_MODES
 from planner.solve.problem import SOLVERS
 
 __all__ = [
+    "DP_MODES",
     "OPTIMIZERS",
     "PRECISIONS",
     "PROFILE_DTYPES",
@@ -91,6 +93,12 @@ class SearchOptions:
         "interleaved-1f1b and looped-bfs)",
         flag="--virtual-stages",
     )
+    dp_mode: str = option(
+        "ddp",
+        help="how replicas hold the optimizer state: ddp, each all of it; zero1, each a share "
+        "(ZeRO-1: less memory, the weights sent after each step); auto searches both",
+        choices=(*DP_MODES, "auto"),
+    )
     solver: str = option(
         "highs", help="the ILP solver (auto: HiGHS when installed, else CBC)", choices=SOLVERS
     )
@@ -141,6 +149,12 @@ class SearchOptions:
                 "schedule",
                 f"is {self.schedule!r}; choose one of {', '.join((*SCHEDULES, *MULTI_STAGE))}",
             )
+        if self.dp_mode not in (*DP_MODES, "auto"):
+            raise option_error(
+                SearchOptions,
+                "dp_mode",
+                f"is {self.dp_mode!r}; choose one of {', '.join((*DP_MODES, 'auto'))}",
+            )
         if self.solver not in SOLVERS:
             raise option_error(
                 SearchOptions, "solver", f"is {self.solver!r}; choose one of {', '.join(SOLVERS)}"
@@ -156,6 +170,11 @@ class SearchOptions:
             raise option_error(
                 SearchOptions, "time_limit_s", f"must be > 0 seconds, got {self.time_limit_s}"
             )
+
+    @property
+    def dp_modes(self) -> tuple[str, ...]:
+        """The dp modes searched: the pinned one, or every one ("auto")."""
+        return DP_MODES if self.dp_mode == "auto" else (self.dp_mode,)
 
 
 @dataclass(frozen=True, kw_only=True)

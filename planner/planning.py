@@ -296,7 +296,7 @@ def _assemble(
             precision=training.precision,
             schedule=lay.schedule,
         ),
-        layout=LayoutPlan(pp=lay.pp, dp=lay.dp, virtual=lay.virtual),
+        layout=LayoutPlan(pp=lay.pp, dp=lay.dp, virtual=lay.virtual, dp_mode=lay.dp_mode),
         stages=stage_plans(pred, result.cost.profile, lay.ranks),
         predicted=predicted(pred),
         step=pred.inputs,

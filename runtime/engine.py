@@ -45,6 +45,7 @@ from runtime.precision import autocast, check_training, compress_gradients
 from runtime.schedule import check_schedule, make_schedule
 from runtime.stage import StageModule, build_stages
 from runtime.tied import TiedParams, build_tied, tied_sets
+from runtime.zero import stepped_params
 
 __all__ = ["ParallelModel"]
 
@@ -64,7 +65,8 @@ class ParallelModel:
         plan, mesh: what runs where.
         stages: this rank's stages, in model order (one when v = 1).
         stage: the first of them (the only one when v = 1).
-        optimizer: over this rank's trainable parameters (None when it has none).
+        optimizer: over this rank's trainable parameters (None when it has none); with
+            ``layout.dp_mode: zero1``, over this replica's share of them (``runtime.zero``).
         tied: the tied-parameter groups.
         update: what follows the backward (``runtime.gradients.GradientStep``):
             its ``norm`` (the last global gradient norm) and ``skipped``.
@@ -183,10 +185,10 @@ class ParallelModel:
         }
         unplaced = weights.values(unplaced) if weights else unplaced  # from the file
         tied = build_tied(sets, stages, mesh)
-        params = list({id(p): p for st in stages for p in st.trainable()}.values())
+        params, shares = stepped_params(stages, mesh, plan.dp_mode)  # ZeRO-1: a share
         opt = optimizer(params) if params else None
         update = GradientStep(stages, tied, mesh, opt, clip_grad_norm=clip_grad_norm,
-                              on_nonfinite=on_nonfinite)  # fmt: skip
+            on_nonfinite=on_nonfinite, after_step=shares.send if shares else None)  # fmt: skip
         schedule = make_schedule(plan, stages, loss_fn)
         return cls(
             plan=plan, mesh=mesh, stages=stages, tied=tied, schedule=schedule, optimizer=opt,

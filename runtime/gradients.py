@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -119,9 +119,11 @@ class GradientStep:
         *,
         clip_grad_norm: float | None = None,
         on_nonfinite: str = "stop",
+        after_step: Callable[[], None] | None = None,
     ) -> None:
         check_gradient_options(clip_grad_norm, on_nonfinite)
         self.stages, self.mesh, self.optimizer = tuple(stages), mesh, optimizer
+        self.after_step = after_step  # ZeRO-1: the weights' exchange (runtime.zero)
         self.clip_grad_norm, self.on_nonfinite = clip_grad_norm, on_nonfinite
         self.grads = GradientNorm([st.module for st in self.stages], tied, mesh)
         self.norm = float("nan")
@@ -151,6 +153,8 @@ class GradientStep:
             self.grads.clip(norm, self.clip_grad_norm)
         if self.optimizer is not None:
             self.optimizer.step()
+        if self.after_step is not None:  # on every rank, with or without a share
+            self.after_step()
 
     def _check_missing(self) -> None:
         """After the first backward: a trainable parameter without a gradient breaks DDP."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from planner.devices.cluster import Cluster
-from planner.options import OPTIMIZERS, PRECISIONS, Training
+from planner.options import DP_MODES, OPTIMIZERS, PRECISIONS, Training
 from planner.plan.records import DTYPE_BYTES, ModelProfile
 from planner.plan.schedule import SIMULATED, in_flight, schedule_problem, stage_ranks
 
@@ -59,6 +59,8 @@ class Layout:
         ranks: ``ranks[s][r]`` is the cluster rank running stage s of replica r
             (the stages of one pipeline rank: the same ranks).
         virtual: stages per pipeline rank; the layout has ``pp · virtual`` stages.
+        dp_mode: how the replicas hold the optimizer state (``DP_MODES``): "ddp",
+            each all of it; "zero1", each a share ([Note: ZeRO-1 shares]).
     """
 
     pp: int
@@ -67,8 +69,14 @@ class Layout:
     schedule: str
     ranks: tuple[tuple[int, ...], ...]
     virtual: int = 1
+    dp_mode: str = "ddp"
 
     def __post_init__(self) -> None:
+        if self.dp_mode not in DP_MODES:
+            modes = ", ".join(DP_MODES)
+            raise ValueError(f"unknown dp mode {self.dp_mode!r}; choose one of {modes}")
+        if self.dp_mode == "zero1" and self.dp == 1:
+            raise ValueError("dp mode zero1 shares optimizer state among replicas: it needs dp ≥ 2")
         if self.schedule not in SIMULATED:
             raise ValueError(
                 f"unknown schedule {self.schedule!r}; choose one of {', '.join(SIMULATED)}"
@@ -159,6 +167,7 @@ class BlockTable:
         pairs = [self.output[k] + (self.output[k - 1] if k else 0.0) for k in range(self.n)]
         self.grad_pair = RangeMax([x * act_scale for x in pairs])
         self.max_params = RangeMax([float(x.param_bytes) for x in b])
+        self.max_tensor = RangeMax([float(x.largest_param_bytes or x.param_bytes) for x in b])
         # [Note: the CPU optimizer step]: parameter tensors, two per module call.
         self.tensors = [0, *accumulate(2 * len(x.modules) if x.param_bytes else 0 for x in b)]
 
@@ -248,3 +257,28 @@ class CostBasis:
         """Parameters (a count) of blocks [i, j), their tied copies excluded."""
         tab = self.table(s)
         return (tab.params[j] - tab.params[i]) / self.param_elem
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the replicas share the optimizer state out (ZeRO-1)."""
+        return self.layout.dp_mode == "zero1"
+
+    def stepped(self, s: int, i: int, j: int) -> float:
+        """Parameters (a count, tied copies included) whose optimizer state one replica of
+        stage s holds and steps: all of them, or with ZeRO-1 at most its share's bound.
+
+        [Note: ZeRO-1 shares] The runtime (``runtime.zero``) gives each of a stage's
+        parameter tensors whole to one replica, largest first, each to the replica
+        holding the fewest bytes so far (Graham's list scheduling), so no replica
+        holds more than ``n / dp + (1 − 1/dp) · largest``: n the stage's parameters,
+        largest its largest tensor (the profile's per block; a block's whole
+        parameters in older profiles, and a tied tensor). That bound is what is
+        priced: the optimizer state and step, and the weights each replica sends
+        the others after the step. Gradients stay whole (DDP's all-reduce).
+        """
+        n = self.parameters(s, i, j) + self.tied_copy_bytes(i, j) / self.param_elem
+        dp = self.layout.dp
+        if not self.sharded:
+            return n
+        largest = max([self.table(s).max_tensor(i, j)[0], *self.tied_in(i, j)]) / self.param_elem
+        return min(n, n / dp + (1 - 1 / dp) * largest)

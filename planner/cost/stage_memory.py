@@ -84,7 +84,8 @@ class StageMemoryModel:
           first backward): autograd computes a parameter's gradient into a new
           tensor, then adds it to the one held: the largest such tensor adds
           (examples/gpt.py at pp 2: 16 MiB, 8 and 11 % of the stages' peaks);
-        * **the optimizer step**: all gradients, the optimizer's temporaries.
+        * **the optimizer step**: all gradients, the optimizer's temporaries; with
+          ZeRO-1 then a replica's share of the weights, flat, as it is sent.
 
         Per micro-batch in flight: the blocks' saved activations (each tensor
         once, charged to the block that made it), and on the last stage the
@@ -102,7 +103,6 @@ class StageMemoryModel:
         tab = b.table(s)
         last = j == b.n_blocks
         n_params = b.parameters(s, i, j)
-        tied_params = b.tied_copy_bytes(i, j) / b.param_elem
         scale = b.act_scale
         m, n = b.layout.micro_batches, b.layout.in_flight(s)
         stage_input = tab.boundary[i] if i > 0 else tab.input_bytes
@@ -111,7 +111,6 @@ class StageMemoryModel:
         acts = tab.act[j] - tab.act[i]
         loss = 2 * stage_output * scale if last else 0.0  # the output, and what the loss saves
         per_mb = (0.0 if recompute else acts) + loss
-        others = (n - 1) * per_mb
         all_grads = n_params * b.grads_b  # tied copies' gradients: in tied_copies
         # In a block's backward: the gradients of its output and of its input; and the
         # stage input's gradient of the previous micro-batch, held until its send ends.
@@ -122,10 +121,10 @@ class StageMemoryModel:
         _, k = tab.backward_curve(i, j)
         first_grads = tab.grads[j] - tab.grads[k]
         first_acts = tab.act[k + 1] - tab.act[i]
-        moments = [(first_grads, recv + others + first_acts + loss + grad_tmp)]
+        moments = [(first_grads, recv + (n - 1) * per_mb + first_acts + loss + grad_tmp)]
         out_grads = 2 * stage_output * scale
         if last:  # the loss's backward opens it: no gradients yet, two output-sized ones
-            moments.append((0.0, recv + others + acts + loss + out_grads))
+            moments.append((0.0, recv + (n - 1) * per_mb + acts + loss + out_grads))
         if m > 1:  # a later micro-batch's backward: every gradient exists, and a new one
             later = n if m > n else n - 1  # in flight then, the one run backward among them
             new = self._largest(s, i, j) / b.param_elem * b.grads_b
@@ -133,28 +132,48 @@ class StageMemoryModel:
             moments.append((all_grads, held + grad_tmp))
             if last:
                 moments.append((all_grads, held + out_grads))
-        moments.append((all_grads, recv + self._optimizer_temp(s, i, j)))
+        state, sent = self._state(s, i, j)  # sent: after the optimizer's temporaries
+        moments.append((all_grads, recv + max(self._optimizer_temp(s, i, j), sent)))
         grads, activations = max(moments, key=lambda g_a: g_a[0] + g_a[1])
         return MemoryBreakdown(
             params=n_params * (b.weights_b + b.cast_b),
             grads=grads,
-            optimizer=n_params * b.optim_b,
             buffers=tab.buffers[j] - tab.buffers[i],
-            comm_buffers=(n_params + tied_params) * b.grads_b if b.layout.dp > 1 else 0.0,
-            tied_copies=tied_params * (b.weights_b + b.cast_b + b.grads_b + b.optim_b),
             activations=activations,
+            **state,
         )
+
+    def _state(self, s: int, i: int, j: int) -> tuple[dict[str, float], float]:
+        """The optimizer state, tied copies' and DDP's buckets' bytes of blocks [i, j)
+        (as ``MemoryBreakdown``'s fields), and the weights' send buffer.
+
+        With ZeRO-1 a replica holds the state of its share only, tied copies'
+        included, and sends its share's weights in one flat buffer after the
+        step ([Note: ZeRO-1 shares]); with DDP it holds all, and sends nothing.
+        """
+        b = self.b
+        n, tied = b.parameters(s, i, j), b.tied_copy_bytes(i, j) / b.param_elem
+        copies = tied * (b.weights_b + b.cast_b + b.grads_b)
+        buckets = (n + tied) * b.grads_b if b.layout.dp > 1 else 0.0
+        if b.sharded:
+            share = b.stepped(s, i, j)
+            kinds = {"optimizer": share * b.optim_b, "tied_copies": copies}
+            return kinds | {"comm_buffers": buckets}, share * b.weights_b
+        kinds = {"optimizer": n * b.optim_b, "tied_copies": copies + tied * b.optim_b}
+        return kinds | {"comm_buffers": buckets}, 0.0
 
     def floor(self, s: int, i: int, j: int) -> float:
         """Bytes stage s holds at its peak whatever else, non-decreasing in j: the weights
-        (and their bf16 copy), optimizer state, buffers and DDP's buckets of blocks
+        (and their bf16 copy), optimizer state (with ZeRO-1 at least 1/dp of it),
+        buffers and DDP's buckets of blocks
         [i, j), and the larger of all their gradients (the optimizer step) and what the
         first backward holds at its worst block k (the gradients of the blocks after k,
         the activations of the blocks up to k: recomputed or not, one micro-batch's)."""
         b = self.b
         tab = b.table(s)
         n_params = b.parameters(s, i, j)
-        per = b.weights_b + b.cast_b + b.optim_b + (b.grads_b if b.layout.dp > 1 else 0)
+        optim_b = b.optim_b / b.layout.dp if b.sharded else b.optim_b  # a share holds ≥ n / dp
+        per = b.weights_b + b.cast_b + optim_b + (b.grads_b if b.layout.dp > 1 else 0)
         first = tab.grads[j] - tab.act[i] + tab.backward_curve(i, j)[0]
         held = max(n_params * b.grads_b, first)
         return n_params * per + tab.buffers[j] - tab.buffers[i] + held

@@ -25,13 +25,16 @@ replicas, ``m`` micro-batches of ``b = B / (dp·m)`` samples):
   weights among the stages holding them, which start it together ([Note: tied
   copies]); then the **optimizer step**: on GPUs a memory-bound pass over
   weights, gradients and optimizer state at the device's memory bandwidth, on
-  CPUs per tensor ([Note: the CPU optimizer step]).
+  CPUs per tensor ([Note: the CPU optimizer step]); with ZeRO-1 over a replica's
+  share of the parameters only, followed by the **weights' broadcasts** from
+  each replica to the others ([Note: ZeRO-1 shares] in :mod:`planner.cost.basis`).
 
 Pure: no torch. Times in milliseconds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from planner.cost.basis import CostBasis
@@ -247,12 +250,14 @@ class StageTime:
         b = self.b
         tab = b.table(s)
         copies = b.tied_copy_bytes(i, j) / b.param_elem
-        n_params = b.parameters(s, i, j) + copies
+        n_params = b.stepped(s, i, j)  # with ZeRO-1, a replica's share: [Note: ZeRO-1 shares]
         cpu = b.cluster.backend == "gloo"
         if cpu:
             ops, per_param = _CPU_STEP[b.training.optimizer]
             moved = n_params * per_param
             tensors = tab.tensors[j] - tab.tensors[i] + (1 if copies else 0)
+            if b.sharded:  # whole tensors to each replica: at most ⌈tensors / dp⌉ each
+                tensors = math.ceil(tensors / b.layout.dp)
         else:
             moved = n_params * (2 * (b.weights_b + b.optim_b) + b.grads_b)
         slowest = 0.0
@@ -302,10 +307,34 @@ class StageTime:
         )
         return self.comm_scale * 1e3 * worst
 
+    def gather_ms(self, s: int, i: int, j: int) -> float:
+        """With ZeRO-1, after the optimizer step: each replica of stage s sends the
+        weights of its share to the others, one broadcast per replica (ms); 0 with DDP.
+
+        dp broadcasts of a share each (:meth:`CostBasis.stepped`'s bound, in the
+        weights' bytes), each a pipelined ring over the ring the stage's replicas
+        all-reduce on (as NCCL's): ``S/B + (n−1)·L``, half of what a ring
+        all-reduce of ``S·n/(n−1)`` takes (:meth:`Cluster.allreduce_time`).
+        """
+        b = self.b
+        if not b.sharded:
+            return 0.0
+        dp = b.layout.dp
+        share = b.stepped(s, i, j) * b.weights_b
+        one = b.cluster.allreduce_time(b.layout.ranks[s], share * dp / (dp - 1)) / 2
+        t = dp * (one + self.wakeup_s)
+        return t * 1e3 * self.comm_scale * self.calibration.allreduce_scale
+
     def sync(self, s: int, i: int, j: int) -> float:
         """The step's tail on stage s (ms): DDP's gradient all-reduce, the tied
-        weights' exchange ([Note: tied copies]), then the optimizer step."""
-        return self.reduce_ms(s, i, j) + self.tied_ms(s, i, j) + self.optimizer_ms(s, i, j)
+        weights' exchange ([Note: tied copies]), the optimizer step, and with ZeRO-1
+        the weights' broadcasts."""
+        return (
+            self.reduce_ms(s, i, j)
+            + self.tied_ms(s, i, j)
+            + self.optimizer_ms(s, i, j)
+            + self.gather_ms(s, i, j)
+        )
 
     def joined(self, bounds: Sequence[int]) -> list[list[int]]:
         """Groups of stages that all-reduce tied weights together (a collective)."""

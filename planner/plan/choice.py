@@ -22,7 +22,7 @@ class FastestRecord(Record):
     """The fastest configuration the search solved, when the plan chose another.
 
     Attributes:
-        pp, dp, micro_batches, schedule, virtual: its configuration.
+        pp, dp, micro_batches, schedule, virtual, dp_mode: its configuration.
         step_ms: its predicted step.
         bubble_fraction: its pipeline bubble (as ``Predicted.bubble_fraction``).
         status: what is proven of ``step_ms`` over every contiguous placement of
@@ -41,6 +41,7 @@ class FastestRecord(Record):
     gap: float | None = field(default=None, metadata=FIGURE)
     bound_ms: float | None = None  # not rounded: a lower bound must stay ≤ the step it bounds
     virtual: int = 1
+    dp_mode: str = "ddp"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from planner.plan.codec import FIGURE, SAVED_NOT, Record
 
 __all__ = [
+    "DP_MODES",
     "Candidate",
     "ClusterRecord",
     "DeviceGroup",
@@ -141,6 +142,12 @@ class TrainingPlan(Record):
     schedule: str
 
 
+DP_MODES = ("ddp", "zero1")
+"""How data-parallel replicas hold the optimizer state: each all of it (DDP), or each a
+share of the parameters' state, its weights sent to the others after the step (ZeRO-1:
+[Note: ZeRO-1 shares] in planner.cost.basis)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayoutPlan(Record):
     """Pipeline depth × data-parallel width, and the stages each pipeline rank runs.
@@ -148,12 +155,15 @@ class LayoutPlan(Record):
     ``pp`` is the devices of one replica (its pipeline ranks); ``virtual`` the
     stages each of them runs (1 unless the schedule is a multi-stage one:
     ``planner.plan.schedule``), so a replica has pp · virtual stages; stage i
-    runs on pipeline rank ``stage_ranks(schedule, pp, virtual)[i]``.
+    runs on pipeline rank ``stage_ranks(schedule, pp, virtual)[i]``. ``dp_mode``:
+    how the replicas hold the optimizer state, "ddp" (each all of it) or "zero1"
+    (each a share, ``planner.options.DP_MODES``); files without it read as "ddp".
     """
 
     pp: int
     dp: int
     virtual: int = 1
+    dp_mode: str = "ddp"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,7 +289,8 @@ class Candidate(Record):
     predicted faster, but within the robust band of the fastest and less sturdy
     than the chosen one: :class:`~planner.plan.choice.ChoiceRecord`),
     "out_of_memory" (no placement fits), "pruned" (a lower bound already lost),
-    "timeout". ``reason`` says why in words. ``virtual``: stages per pipeline rank.
+    "timeout". ``reason`` says why in words. ``virtual``: stages per pipeline rank;
+    ``dp_mode``: as ``LayoutPlan``'s.
     """
 
     pp: int
@@ -290,6 +301,7 @@ class Candidate(Record):
     status: str
     reason: str
     virtual: int = 1
+    dp_mode: str = "ddp"
 
 
 @dataclass(frozen=True, kw_only=True)

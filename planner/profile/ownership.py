@@ -28,21 +28,27 @@ class Owners:
                 self.first.setdefault(canon, block.index)
                 self.target_of.setdefault(canon, target)
 
-    def _bytes(self, k: int, gm: torch.fx.GraphModule, params: bool) -> int:
-        total = 0
+    def _sizes(self, k: int, gm: torch.fx.GraphModule, params: bool) -> list[int]:
+        """Bytes of each parameter (or buffer) block k owns."""
+        sizes = []
         for canon, first in self.first.items():
             if first != k:
                 continue
             t = attr(gm, self.target_of[canon])
             if isinstance(t, torch.Tensor) and isinstance(t, nn.Parameter) == params:
-                total += t.numel() * t.element_size()
-        return total
+                sizes.append(t.numel() * t.element_size())
+        return sizes
 
-    def param_bytes(self, k: int, gm: torch.fx.GraphModule) -> int:
-        return self._bytes(k, gm, params=True)
+    def param_fields(self, k: int, gm: torch.fx.GraphModule, scale: float) -> dict[str, int]:
+        """``BlockCost``'s ``param_bytes`` and ``largest_param_bytes`` of block k, scaled."""
+        sizes = self._sizes(k, gm, params=True)
+        return {
+            "param_bytes": int(sum(sizes) * scale),
+            "largest_param_bytes": int(max(sizes, default=0) * scale),
+        }
 
     def buffer_bytes(self, k: int, gm: torch.fx.GraphModule) -> int:
-        return self._bytes(k, gm, params=False)
+        return sum(self._sizes(k, gm, params=False))
 
 
 def param_nbytes(name: str, model: nn.Module) -> int:

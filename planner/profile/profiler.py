@@ -316,7 +316,7 @@ def _block_costs(
             modules=tuple(block.modules),
             fwd_ms=times.fwd_ms[k],
             bwd_ms=times.bwd_ms[k],
-            param_bytes=int(owners.param_bytes(k, cap.gm) * scale),
+            **owners.param_fields(k, cap.gm, scale),
             buffer_bytes=owners.buffer_bytes(k, cap.gm),
             activation_bytes=int(saved[k] * scale),
             output_bytes=int(block.output_bytes * scale),

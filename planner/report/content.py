@@ -151,7 +151,10 @@ def summary(plan: Plan, tl: Timeline) -> list[tuple[str, str]]:
     rows = [
         ("model", f"{name}, {fmt_count(model.parameters)} parameters"),
         ("cluster", _cluster(plan)),
-        ("layout", f"pp {plan.pp} × dp {plan.dp} = {plan.world_size} devices"),
+        (
+            "layout",
+            f"pp {plan.pp} × dp {plan.dp} = {plan.world_size} devices{_zero1(plan.dp_mode)}",
+        ),
         ("batch", f"{batch} = global batch {plan.global_batch}"),
         ("schedule", _schedule(plan.schedule, plan.virtual, len(plan.stages))),
         ("training", f"{plan.optimizer}, {plan.precision}"),
@@ -226,7 +229,8 @@ def _choice(plan: Plan) -> str:
         return f"the fastest predicted step (robust band ±{ch.band_pct:g} %)"
     more = (plan.predicted.step_ms - f.step_ms) / f.step_ms
     return (
-        f"chosen over pp {f.pp} × dp {f.dp}, m {f.micro_batches}, "
+        f"chosen over pp {f.pp} × dp {f.dp}{', ZeRO-1' if f.dp_mode == 'zero1' else ''}, "
+        f"m {f.micro_batches}, "
         f"{_schedule(f.schedule, f.virtual)} "
         f"({fmt_ms(f.step_ms)} ms, solver status {f.status} for that configuration): "
         f"{100 * more:+.1f} % predicted, within the ±{ch.band_pct:g} % band"
@@ -296,7 +300,8 @@ def candidate_rows(plan: Plan) -> list[Row]:
             lo, hi = plan.choice.interval(c.step_ms)
             step += f" ({fmt_ms(lo)}–{fmt_ms(hi)})"
         sched = _schedule(c.schedule, c.virtual)
-        cells = [str(c.pp), str(c.dp), str(c.micro_batches), sched, step, c.status, c.reason]
+        dp = str(c.dp) + (" ZeRO-1" if c.dp_mode == "zero1" else "")
+        cells = [str(c.pp), dp, str(c.micro_batches), sched, step, c.status, c.reason]
         rows.append((cells, "chosen" if c.status == "chosen" else ""))
     return rows
 
@@ -339,6 +344,13 @@ def over_capacity(plan: Plan) -> list[str]:
                 f"{fmt_bytes(m.capacity)} ({fmt_pct(m.share)}): it will not fit"
             )
     return out
+
+
+def _zero1(dp_mode: str) -> str:
+    """ ", ZeRO-1 (...)" after a layout whose replicas share the optimizer state out."""
+    if dp_mode != "zero1":
+        return ""
+    return ", ZeRO-1 (each replica holds and steps a share of the optimizer state)"
 
 
 def _schedule(name: str, virtual: int, stages: int = 0) -> str:

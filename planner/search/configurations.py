@@ -84,6 +84,7 @@ class Config:
     cluster: Cluster = field(compare=False, repr=False)
     profile_for: ProfileFor = field(compare=False, repr=False)
     virtual: int = field(default=1, compare=False)
+    dp_mode: str = field(default="ddp", compare=False)
 
 
 def local_cpu(cluster: Cluster) -> bool:
@@ -210,6 +211,22 @@ def _widths(
 ) -> list[int]:
     """The data-parallel widths for pipeline depth ``pp`` (with the rejections said why):
     dp = devices / pp, or with ``fewer`` every dp with pp · dp ≤ devices."""
+    got = _widths_of(pp, n_dev, batch, options, rejected, fewer)
+    if options.dp_mode != "zero1" or 1 not in got:
+        return got
+    rejected.append(
+        (
+            f"pp {pp} × dp 1: no replicas to share the optimizer state among (--dp-mode zero1)",
+            "--dp-mode ddp or auto, or a dp ≥ 2",
+        )
+    )
+    return [d for d in got if d > 1]
+
+
+def _widths_of(
+    pp: int, n_dev: int, batch: int, options: SearchOptions, rejected: list[Rejection], fewer: bool
+) -> list[int]:
+    """:func:`_widths`, whatever the dp mode."""
     if options.dp:
         dps = [options.dp]
     elif fewer:
@@ -283,8 +300,14 @@ def bounded(
     training: Training,
     configs: list[tuple[int, int, int, str, int]],
     threads_for: ThreadsFor | None = None,
+    dp_modes: tuple[str, ...] = ("ddp",),
 ) -> list[Config]:
     """Every configuration laid on the ranks, with its lower bound, best bound first.
+
+    ``dp_modes``: each configuration with dp ≥ 2 is tried in each of these
+    (``SearchOptions.dp_modes``); one with dp 1 has no replicas, and runs DDP's
+    way. The bounds hold for every mode: they price forwards, backwards and the
+    gradients' all-reduce, which ZeRO-1 leaves as they are.
 
     On a local CPU cluster each is tried with every count of :func:`thread_counts`
     that ``threads_for`` can give (only the cluster's own without it), on its first
@@ -320,7 +343,10 @@ def bounded(
                 if full.backend != "gloo" and dp > 1:  # GPUs: every speed 1, graph = step
                     reduces = allreduce_floor(used.allreduce_time, grid, wire)
                     lb = max(lb, reduce_chain_bound(total, last, m, reduces))
-                out.append(Config(lb, pp, dp, m, sched, t, name + label, grid, used, prof_for, v))
+                for mode in dp_modes if dp > 1 else ("ddp",):
+                    out.append(
+                        Config(lb, pp, dp, m, sched, t, name + label, grid, used, prof_for, v, mode)
+                    )
     out.sort()
     return out
 

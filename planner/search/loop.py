@@ -136,7 +136,7 @@ def search(
     best_ms = math.inf
     grow = 1 + options.robust_band_pct / 100
     oom_costs: list[CostModel] = []  # for the message when nothing fits
-    laid = bounded(profile_for, cluster, training, configs, threads_for)
+    laid = bounded(profile_for, cluster, training, configs, threads_for, options.dp_modes)
     laid = _scouted_first(laid, training, allowed_starts)
     phase = f"searching {len(laid)} configurations"
     for k, cfg in enumerate(laid):
@@ -255,6 +255,7 @@ def _cost_model(cfg: Config, training: Training) -> CostModel:
         schedule=cfg.schedule,
         ranks=_ranks(cfg),
         virtual=cfg.virtual,
+        dp_mode=cfg.dp_mode,
     )
     b = training.global_batch // (cfg.dp * cfg.m)
     types = sorted({cfg.cluster.devices[r].device.key for st in cfg.grid for r in st})
@@ -274,6 +275,7 @@ def _best_note(solved: list[SearchResult]) -> str:
     r = min(solved, key=lambda r: r.prediction.step_ms)
     lay = r.layout
     v = f" v {lay.virtual}" if lay.virtual > 1 else ""
+    v += ", ZeRO-1" if lay.dp_mode == "zero1" else ""
     return (
         f"best pp {lay.pp} × dp {lay.dp}, m {lay.micro_batches}, {lay.schedule}{v}: "
         f"{r.prediction.step_ms:.1f} ms"
@@ -295,15 +297,15 @@ def _proven(
     sol = place(best.cost, options, allowed, prove=True, starts=[best.starts], closed_form=False)
     pred = best.cost.predict(sol.starts)
     for k, (cfg, cand) in enumerate(tried):
-        same = (cfg.pp, cfg.dp, cfg.m, cfg.schedule, cfg.virtual, _ranks(cfg), cfg.cluster) == (
-            best.layout.pp,
-            best.layout.dp,
-            best.layout.micro_batches,
-            best.layout.schedule,
-            best.layout.virtual,
-            best.layout.ranks,
-            best.cost.cluster,
-        )
+        lay = best.layout
+        same = (cfg.pp, cfg.dp, cfg.m, cfg.schedule, cfg.virtual, cfg.dp_mode) == (
+            lay.pp,
+            lay.dp,
+            lay.micro_batches,
+            lay.schedule,
+            lay.virtual,
+            lay.dp_mode,
+        ) and (_ranks(cfg), cfg.cluster) == (lay.ranks, best.cost.cluster)
         if same and cand.step_ms is not None:
             tried[k] = (cfg, dataclasses.replace(cand, step_ms=pred.step_ms))
     return SearchResult(layout=best.layout, solution=sol, prediction=pred, cost=best.cost)

@@ -23,6 +23,7 @@ def candidate(cfg: Config, step_ms: float | None, status: str, reason: str) -> C
         micro_batches=cfg.m,
         schedule=cfg.schedule,
         virtual=cfg.virtual,
+        dp_mode=cfg.dp_mode,
         step_ms=step_ms,
         status=status,
         reason=(f"{cfg.layout_name}: {reason}" if reason else cfg.layout_name),
@@ -60,13 +61,13 @@ def ranked(
         (c for c in tried if c.step_ms is not None), key=lambda c: (c.step_ms, c.pp, c.dp)
     )
     one = _one_process(tried) if single else None
-    config = (best.pp, best.dp, best.micro_batches, best.schedule, best.virtual)
+    config = (best.pp, best.dp, best.micro_batches, best.schedule, best.virtual, best.dp_mode)
     ceiling = (best_ms if fastest_ms is None else fastest_ms) * (1 + band_pct / 100)
     out: list[Candidate] = []
     chosen = False
     for c in solved:
         assert c.step_ms is not None
-        same = (c.pp, c.dp, c.micro_batches, c.schedule, c.virtual) == config
+        same = (c.pp, c.dp, c.micro_batches, c.schedule, c.virtual, c.dp_mode) == config
         if not chosen and c.step_ms == best_ms and same:
             text = why or "fastest predicted step"
             if one is not None and c is not one and one.step_ms is not None:
@@ -107,12 +108,13 @@ def _one_process(tried: Sequence[Candidate]) -> Candidate | None:
 
 def _same(a: Candidate, b: Candidate) -> bool:
     """The same configuration and layout (``reason`` starts with the layout's name)."""
-    return (a.pp, a.dp, a.micro_batches, a.schedule, a.virtual, a.step_ms) == (
+    return (a.pp, a.dp, a.micro_batches, a.schedule, a.virtual, a.dp_mode, a.step_ms) == (
         b.pp,
         b.dp,
         b.micro_batches,
         b.schedule,
         b.virtual,
+        b.dp_mode,
         b.step_ms,
     ) and a.reason.startswith(b.reason.split(":")[0])
 

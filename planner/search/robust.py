@@ -66,7 +66,7 @@ class Sturdiness:
     """What the choice weighs of one solved candidate ([Note: robust band]).
 
     Attributes:
-        pp, dp, micro_batches, schedule, virtual: its configuration.
+        pp, dp, micro_batches, schedule, virtual, dp_mode: its configuration.
         step_ms: its predicted step.
         overhead: the share of the devices' step outside forward and backward.
         headroom: the free share of memory on its tightest device (1: unbounded).
@@ -82,17 +82,19 @@ class Sturdiness:
     headroom: float = 1.0
     bubble: float = 0.0
     virtual: int = 1
+    dp_mode: str = "ddp"
 
     @property
-    def config(self) -> tuple[int, int, int, str, int]:
-        return (self.pp, self.dp, self.micro_batches, self.schedule, self.virtual)
+    def config(self) -> tuple[int, int, int, str, int, str]:
+        return (self.pp, self.dp, self.micro_batches, self.schedule, self.virtual, self.dp_mode)
 
     def key(self) -> tuple[object, ...]:
-        """The sturdiest first: fewer devices per pipeline, fewer stages on each (v), less
-        overhead, more headroom, faster."""
+        """The sturdiest first: fewer devices per pipeline, fewer stages on each (v), DDP
+        before ZeRO-1 (no weights to send), less overhead, more headroom, faster."""
         return (
             self.pp,
             self.virtual,
+            self.dp_mode != "ddp",
             round(self.overhead, 2),
             -round(self.headroom, 2),
             self.step_ms,
@@ -104,6 +106,7 @@ class Sturdiness:
     def name(self) -> str:
         """ "pp 2 × dp 8, m 64, 1f1b" """
         v = f" v {self.virtual}" if self.virtual > 1 else ""
+        v += ", ZeRO-1" if self.dp_mode == "zero1" else ""
         return f"pp {self.pp} × dp {self.dp}, m {self.micro_batches}, {self.schedule}{v}"
 
 
@@ -123,6 +126,7 @@ def sturdiness(layout: Layout, prediction: Prediction) -> Sturdiness:
         micro_batches=layout.micro_batches,
         schedule=layout.schedule,
         virtual=layout.virtual,
+        dp_mode=layout.dp_mode,
         step_ms=step,
         overhead=max(0.0, overhead),
         headroom=min(free, default=1.0),
@@ -167,7 +171,7 @@ def choose(found: Sequence[Sturdiness], options: SearchOptions) -> Verdict:
     if pinned:
         return Verdict(fastest, fastest, 0, band, pinned=True)
     ceiling = found[fastest].step_ms * (1 + band / 100)
-    best: dict[tuple[int, int, int, str, int], int] = {}  # a configuration: its fastest layout
+    best: dict[tuple[int, int, int, str, int, str], int] = {}  # a configuration: its fastest
     for k in kept:
         f = found[k]
         if f.step_ms <= ceiling:
@@ -179,7 +183,8 @@ def choose(found: Sequence[Sturdiness], options: SearchOptions) -> Verdict:
 
 
 def _keeps_pins(f: Sturdiness, options: SearchOptions) -> bool:
-    return all(getattr(options, p) in (None, getattr(f, p)) for p in PINS)
+    pins = all(getattr(options, p) in (None, getattr(f, p)) for p in PINS)
+    return pins and (f.dp_mode in options.dp_modes or f.dp == 1)
 
 
 def record(
@@ -198,6 +203,7 @@ def record(
         micro_batches=fastest.micro_batches,
         schedule=fastest.schedule,
         virtual=fastest.virtual,
+        dp_mode=fastest.dp_mode,
         step_ms=fastest.step_ms,
         bubble_fraction=fastest.bubble,
         status=proof.status,
