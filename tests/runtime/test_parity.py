@@ -8,12 +8,6 @@ buffer to match, and every rank's copy of a tensor (tied copies, DDP replicas)
 to agree. Worlds of 2 (pp = 2; and pp = 1 × dp = 2), 3 (pp = 3, long skips)
 and 4 ranks (pp = 2 × dp = 2) each start once and run all their cases.
 
-ZeRO-1 (``layout.dp_mode: zero1``, runtime/zero.py): the same parity, and
-each replica's optimizer steps a share of its stage's parameters (the shares
-of a stage's replicas are disjoint and cover it); a checkpoint of a ZeRO-1 run
-loads back into a fresh one with every rank's optimizer state and weights
-equal.
-
 Both ways to split are covered: ``pipeline()`` (torch.export), the fx fallback
 forced, and the fallback taken on its own for a model torch.export refuses.
 
@@ -72,7 +66,6 @@ class Case:
     bn_eval: bool = False
     expect_method: str = "pipeline"
     plan_path: str = ""
-    dp_mode: str = "ddp"
 
 
 WORLD2 = [
@@ -87,16 +80,6 @@ WORLD2 = [
     Case("branchy-auto-fallback", "branchy", m=2, expect_method="fx"),
     # pp = 1: the model itself under DDP, gradients accumulated (runtime.accumulate)
     Case("pp1-dp2-mlp", "mlp", pp=1, dp=2, m=2, expect_method="whole"),
-    Case(
-        "pp1-dp2-mlp-zero1",
-        "mlp",
-        pp=1,
-        dp=2,
-        m=2,
-        optimizer="adam",
-        expect_method="whole",
-        dp_mode="zero1",
-    ),
 ]
 WORLD3 = [  # the U-Net's long skips cross both split points
     Case("pp3-unet-m4-1f1b", "unet", pp=3, m=4, schedule="1f1b", bn_eval=True),
@@ -106,15 +89,6 @@ WORLD4 = [
     Case("dp2-mlp-m2", "mlp", dp=2, m=2),
     Case("dp2-gpt-m2-tied", "gpt", dp=2, m=2, schedule="1f1b", optimizer="adam"),
     Case("dp2-resnet-m2-bn-eval", "resnet", dp=2, m=2, bn_eval=True),
-    Case(
-        "dp2-gpt-m2-tied-zero1",
-        "gpt",
-        dp=2,
-        m=2,
-        schedule="1f1b",
-        optimizer="adam",
-        dp_mode="zero1",
-    ),
 ]
 
 
@@ -152,11 +126,7 @@ def _plan(case: Case) -> Plan:
         options=PlanOptions(
             training=Training(global_batch=BATCH, optimizer=case.optimizer),
             search=SearchOptions(
-                pp=case.pp,
-                dp=case.dp,
-                micro_batches=case.m,
-                schedule=case.schedule,
-                dp_mode=case.dp_mode,
+                pp=case.pp, dp=case.dp, micro_batches=case.m, schedule=case.schedule
             ),
         ),
         model_file=f"{case.model}.py",
@@ -200,8 +170,6 @@ def _worker(cases: list[Case]) -> dict[str, dict[str, Any]]:
         }
         if case.name == "dp2-mlp-m2":
             out["bad_batch"] = _bad_batch(pm, batches[0])
-        if case.dp_mode == "zero1":
-            out.update(_shares(pm), resumed=_resumed(case, plan, pm, batches[0]))
         full = pm.state_dict()
         out["fallback_reason"] = pm.stage.fallback_reason
         copies = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -210,42 +178,6 @@ def _worker(cases: list[Case]) -> dict[str, dict[str, Any]]:
             out.update(_reference(case, reference, batches, full, copies))
         results[case.name] = out
     return results
-
-
-def _shares(pm: Any) -> dict[str, Any]:
-    """The names of the stage's trainable parameters, and of those this rank's optimizer steps."""
-    names = {id(p): n for n, p in pm.stage.module.named_parameters()}
-    stepped = [p for g in pm.optimizer.param_groups for p in g["params"]] if pm.optimizer else []
-    return {
-        "stage": pm.mesh.stage,
-        "trainable": sorted(n for n, p in pm.stage.module.named_parameters() if p.requires_grad),
-        "stepped": sorted(names[id(p)] for p in stepped),
-    }
-
-
-def _resumed(case: Case, plan: Plan, pm: Any, first: Any) -> str:
-    """Save ``pm`` (DCP), load it into a fresh run of the plan: "" when every rank's optimizer
-    state and weights came back equal, else what differs."""
-    from runtime.checkpoint import load, save
-    from runtime.engine import ParallelModel
-
-    path = save(pm, Path(case.plan_path).parent / f"{case.name}-ckpt", STEPS)
-    torch.manual_seed(1)  # other weights than pm's start
-    fresh = ParallelModel.from_plan(
-        build(case.model), plan, loss_fn=loss_for(case.model),
-        optimizer=_optimizer(case.optimizer), sample=((first[0],), {}), split=case.split,
-    )  # fmt: skip
-    load(fresh, path)
-    want, got = pm.optimizer.state_dict()["state"], fresh.optimizer.state_dict()["state"]
-    if sorted(want) != sorted(got):
-        return f"optimizer state of {sorted(got)}, saved {sorted(want)}"
-    for k, state in want.items():
-        for name, value in state.items():
-            if not torch.equal(torch.as_tensor(value), torch.as_tensor(got[k][name])):
-                return f"optimizer state {k}.{name} differs"
-    mine, back = pm.stage_state_dict(), fresh.stage_state_dict()
-    bad = [k for k, v in mine.items() if not torch.equal(v, back[k])]
-    return f"weights differ: {bad[:3]}" if bad else ""
 
 
 def _count_syncs(pm: Any) -> list[int]:
@@ -422,27 +354,6 @@ def test_pp2_dp2_matches_one_process(world4: list[dict[str, Any]], case: Case) -
 @pytest.mark.parametrize("case", WORLD3, ids=lambda c: c.name)
 def test_pp3_with_long_skips_matches_one_process(world3: list[dict[str, Any]], case: Case) -> None:
     _check(world3, case)
-
-
-@pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
-@pytest.mark.parametrize(
-    ("world", "case"), [("world2", c) for c in WORLD2 if c.dp_mode == "zero1"]
-    + [("world4", c) for c in WORLD4 if c.dp_mode == "zero1"], ids=lambda x: getattr(x, "name", x),
-)  # fmt: skip
-def test_zero1_replicas_step_disjoint_shares_and_resume_exactly(
-    world: str, case: Case, request: pytest.FixtureRequest
-) -> None:
-    ranks = request.getfixturevalue(world)
-    by_stage: dict[int, list[dict[str, Any]]] = {}
-    for res in ranks:
-        got = res[case.name]
-        assert got["resumed"] == "", got["resumed"]
-        by_stage.setdefault(got["stage"], []).append(got)
-    for stage, replicas in by_stage.items():
-        every = replicas[0]["trainable"]
-        shares = [r["stepped"] for r in replicas]
-        assert len(shares) == case.dp and all(len(s) < len(every) for s in shares), shares
-        assert sorted(n for s in shares for n in s) == every, (stage, shares)
 
 
 @pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
