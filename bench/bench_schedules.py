@@ -8,7 +8,8 @@ rank's action order as torch runs it):
 * **one-stage**: ``plan_model`` searching GPipe and 1F1B only (``max_virtual``
   1, the planner's default), robust band 0: its fastest predicted step;
 * **schedules**: the same search with Interleaved 1F1B and Looped BFS at
-  v = 2 … ``--max-virtual`` stages per rank added, robust band 0;
+  v = 2 … ``--max-virtual`` stages per rank added, robust band 0; with
+  ``--dp-mode auto`` each configuration with dp ≥ 2 also with ZeRO-1;
 * **torchtitan**: its default pipeline, set by hand the way its config does:
   the chain's blocks split evenly over pp · 2 stages (its even split of
   layers: the examples' chains are about a block per layer; the Llama chains
@@ -159,7 +160,12 @@ def _model(row: Row, n_devices: int) -> Workload:
 
 
 def _plan(
-    work: Workload, cluster: Any, training: Any, max_virtual: int, limit_s: float
+    work: Workload,
+    cluster: Any,
+    training: Any,
+    max_virtual: int,
+    limit_s: float,
+    dp_mode: str = "ddp",
 ) -> tuple[Any, float]:
     """(plan, planning seconds) of one search of ``work`` on ``cluster``."""
     from planner.options import PlanOptions, ProfileOptions, SearchOptions
@@ -167,7 +173,9 @@ def _plan(
 
     options = PlanOptions(
         training=training,
-        search=SearchOptions(time_limit_s=limit_s, robust_band_pct=0.0, max_virtual=max_virtual),
+        search=SearchOptions(
+            time_limit_s=limit_s, robust_band_pct=0.0, max_virtual=max_virtual, dp_mode=dp_mode
+        ),
         profile=ProfileOptions(target_blocks=work.target),
     )
     t0 = time.perf_counter()
@@ -217,7 +225,7 @@ def titan_default(
     return out
 
 
-def run_row(row: Row, max_virtual: int, limit_s: float) -> dict[str, Any]:
+def run_row(row: Row, max_virtual: int, limit_s: float, dp_mode: str = "ddp") -> dict[str, Any]:
     """Both searches and torchtitan's default on one row."""
     from bench.bench_plan import cost_models
     from planner.options import Training
@@ -226,7 +234,7 @@ def run_row(row: Row, max_virtual: int, limit_s: float) -> dict[str, Any]:
     work = _model(row, cluster.n_devices)  # built once: both searches plan the same model
     training = Training(global_batch=work.batch, precision="bf16-mixed", optimizer="adam")
     one, one_s = _plan(work, cluster, training, 1, limit_s)
-    new, new_s = _plan(work, cluster, training, max_virtual, limit_s)
+    new, new_s = _plan(work, cluster, training, max_virtual, limit_s, dp_mode)
     n = cluster.n_devices
     cm = cost_models(new, cluster, training)
     pps = [p for p in range(2, n + 1) if n % p == 0]
@@ -318,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--max-virtual", type=int, default=2, help="v up to it (default 2)")
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per ILP solve")
+    ap.add_argument(
+        "--dp-mode", default="ddp", choices=("ddp", "auto"), help="the schedules' search's"
+    )
     ap.add_argument("--quick", action="store_true", help="the 8xa100 and 64xh100 GPT rows only")
     ap.add_argument("--rows", nargs="+", choices=[r.name for r in ROWS])
     ap.add_argument("--out", default=str(OUT))
@@ -349,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                 "load_avg_after": os.getloadavg(),
                 "wall_s": time.perf_counter() - t_start,
                 "max_virtual": ns.max_virtual,
+                "dp_mode": ns.dp_mode,
                 "time_limit_s": ns.time_limit,
                 "rows_done": f"{len(rows)} of {len(chosen)}",
             },
@@ -361,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as cache, knobs({"PLANNER_CACHE_DIR": cache}):
         for row in chosen:
             try:
-                rows.append(run_row(row, ns.max_virtual, ns.time_limit))
+                rows.append(run_row(row, ns.max_virtual, ns.time_limit, ns.dp_mode))
             except Exception as exc:  # a planner failure is a result: record it, go on
                 traceback.print_exc()
                 error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]

@@ -1,7 +1,7 @@
 """ZeRO-1: the replicas of a stage share out its optimizer state, and send each other weights.
 
 With ``layout.dp_mode: zero1`` every parameter tensor of a stage belongs to one
-replica of it (:func:`owners`); that replica's optimizer alone holds its state
+replica of it (``planner.plan.shares.owners``); that replica's optimizer alone holds its state
 and steps it. Gradients stay whole on every replica (DDP's all-reduce, so the
 global norm, clipping and the non-finite checks are unchanged); after the
 step each replica sends the weights it stepped to the others
@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from planner.plan.shares import owners
 from runtime.mesh import Mesh
 from runtime.stage import StageModule
 
-__all__ = ["ShardedWeights", "owners", "stepped_params"]
+__all__ = ["ShardedWeights", "stepped_params"]
 
 
 def stepped_params(
@@ -37,25 +38,6 @@ def stepped_params(
         shares = ShardedWeights(stages, mesh)
         return shares.mine, shares
     return list({id(p): p for st in stages for p in st.trainable()}.values()), None
-
-
-def owners(sizes: Sequence[int], replicas: int) -> list[int]:
-    """The replica owning each tensor: largest first, each to the replica holding the
-    fewest bytes so far (ties: the lower replica), so none holds more than
-    ``Σ sizes / replicas + (1 − 1/replicas) · max(sizes)``.
-
-    >>> owners([4, 1, 3, 2], 2)
-    [0, 0, 1, 1]
-    """
-    if replicas < 1:
-        raise ValueError(f"replicas must be ≥ 1, got {replicas}")
-    load = [0] * replicas
-    out = [0] * len(sizes)
-    for k in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
-        r = min(range(replicas), key=lambda r: (load[r], r))
-        out[k] = r
-        load[r] += sizes[k]
-    return out
 
 
 class ShardedWeights:

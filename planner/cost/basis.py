@@ -19,6 +19,7 @@ from planner.devices.cluster import Cluster
 from planner.options import DP_MODES, OPTIMIZERS, PRECISIONS, Training
 from planner.plan.records import DTYPE_BYTES, ModelProfile
 from planner.plan.schedule import SIMULATED, in_flight, schedule_problem, stage_ranks
+from planner.plan.shares import share_loads
 
 __all__ = ["BlockTable", "CostBasis", "Layout", "RangeMax", "state_bytes", "wire_bytes"]
 
@@ -167,7 +168,11 @@ class BlockTable:
         pairs = [self.output[k] + (self.output[k - 1] if k else 0.0) for k in range(self.n)]
         self.grad_pair = RangeMax([x * act_scale for x in pairs])
         self.max_params = RangeMax([float(x.param_bytes) for x in b])
-        self.max_tensor = RangeMax([float(x.largest_param_bytes or x.param_bytes) for x in b])
+        self.max_tensor = RangeMax([float(max(x.param_tensors, default=x.param_bytes)) for x in b])
+        self.param_tensors = [
+            x.param_tensors if x.param_tensors or not x.param_bytes else None for x in b
+        ]
+        """Per block its parameter tensors' bytes (None: an older profile, unknown)."""
         # [Note: the CPU optimizer step]: parameter tensors, two per module call.
         self.tensors = [0, *accumulate(2 * len(x.modules) if x.param_bytes else 0 for x in b)]
 
@@ -236,6 +241,7 @@ class CostBasis:
         ]
         # (owner block, bytes, user blocks) of each tied set.
         self.tied = [(min(t.blocks), float(t.nbytes), t.blocks) for t in any_prof.tied if t.blocks]
+        self._shares: dict[tuple[str, int, int], float] = {}  # [Note: ZeRO-1 shares]
 
     def table(self, s: int) -> BlockTable:
         """The block table of stage s's (first) device type."""
@@ -265,20 +271,39 @@ class CostBasis:
 
     def stepped(self, s: int, i: int, j: int) -> float:
         """Parameters (a count, tied copies included) whose optimizer state one replica of
-        stage s holds and steps: all of them, or with ZeRO-1 at most its share's bound.
+        stage s holds and steps: all of them, or with ZeRO-1 the largest share.
 
         [Note: ZeRO-1 shares] The runtime (``runtime.zero``) gives each of a stage's
-        parameter tensors whole to one replica, largest first, each to the replica
-        holding the fewest bytes so far (Graham's list scheduling), so no replica
-        holds more than ``n / dp + (1 − 1/dp) · largest``: n the stage's parameters,
-        largest its largest tensor (the profile's per block; a block's whole
-        parameters in older profiles, and a tied tensor). That bound is what is
-        priced: the optimizer state and step, and the weights each replica sends
-        the others after the step. Gradients stay whole (DDP's all-reduce).
+        parameter tensors whole to one replica (``planner.plan.shares.owners``:
+        largest first, each to the replica holding the fewest bytes so far). The
+        largest share is priced: its optimizer state and step, and the weights each
+        replica sends the others after the step; gradients stay whole (DDP's
+        all-reduce). It is the assignment's own, from the profile's tensors, unless
+        Graham's bound for list scheduling, ``n / dp + (1 − 1/dp) · largest``, is
+        within 1 % of ``n / dp`` (many small tensors: no need to assign them), or the
+        profile is older and lists no tensors (then a block's whole parameters stand
+        for its largest).
         """
         n = self.parameters(s, i, j) + self.tied_copy_bytes(i, j) / self.param_elem
         dp = self.layout.dp
         if not self.sharded:
             return n
         largest = max([self.table(s).max_tensor(i, j)[0], *self.tied_in(i, j)]) / self.param_elem
-        return min(n, n / dp + (1 - 1 / dp) * largest)
+        bound = min(n, n / dp + (1 - 1 / dp) * largest)
+        if bound <= 1.01 * n / dp:
+            return bound
+        key = (self.stage_types[s][0], i, j)
+        got = self._shares.get(key)
+        if got is None:
+            got = self._shares[key] = self._largest_share(s, i, j, bound)
+        return got
+
+    def _largest_share(self, s: int, i: int, j: int, bound: float) -> float:
+        """The largest replica's parameters (a count) under ``owners``; ``bound`` if unknown."""
+        blocks = self.tables[self.stage_types[s][0]].param_tensors[i:j]
+        if any(t is None for t in blocks):
+            return bound
+        sizes = [x for t in blocks for x in t or ()]
+        sizes += [nbytes for o, nbytes, users in self.tied if not i <= o < j
+                  and any(i <= u < j for u in users)]  # fmt: skip
+        return max(share_loads(sizes, self.layout.dp)) / self.param_elem

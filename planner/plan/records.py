@@ -50,9 +50,9 @@ class BlockCost(Record):
         param_bytes: bytes of the parameters the block owns. A tied parameter is
             owned by the first block that uses it; later users see it in
             ``TiedSet``.
-        largest_param_bytes: bytes of the largest of those parameters (what
-            bounds a ZeRO-1 replica's share: [Note: ZeRO-1 shares]); 0 in older
-            profiles, read as ``param_bytes``.
+        param_tensors: bytes of each of those parameter tensors, largest first
+            (what a ZeRO-1 replica's share is made of: [Note: ZeRO-1 shares]);
+            empty in older profiles.
         buffer_bytes: bytes of buffers (e.g. BatchNorm statistics) the block owns.
         activation_bytes: bytes saved for backward (autograd's saved tensors,
             parameters excluded) during one micro-batch's forward.
@@ -78,7 +78,7 @@ class BlockCost(Record):
     fwd_ms: float
     bwd_ms: float
     param_bytes: int
-    largest_param_bytes: int = 0
+    param_tensors: tuple[int, ...] = ()
     buffer_bytes: int = 0
     activation_bytes: int
     output_bytes: int

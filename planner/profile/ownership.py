@@ -39,13 +39,11 @@ class Owners:
                 sizes.append(t.numel() * t.element_size())
         return sizes
 
-    def param_fields(self, k: int, gm: torch.fx.GraphModule, scale: float) -> dict[str, int]:
-        """``BlockCost``'s ``param_bytes`` and ``largest_param_bytes`` of block k, scaled."""
+    def param_fields(self, k: int, gm: torch.fx.GraphModule, scale: float) -> dict[str, Any]:
+        """``BlockCost``'s ``param_bytes`` and ``param_tensors`` of block k, scaled."""
         sizes = self._sizes(k, gm, params=True)
-        return {
-            "param_bytes": int(sum(sizes) * scale),
-            "largest_param_bytes": int(max(sizes, default=0) * scale),
-        }
+        tensors = tuple(sorted((int(x * scale) for x in sizes), reverse=True))
+        return {"param_bytes": int(sum(sizes) * scale), "param_tensors": tensors}
 
     def buffer_bytes(self, k: int, gm: torch.fx.GraphModule) -> int:
         return sum(self._sizes(k, gm, params=False))

@@ -1,6 +1,6 @@
 """ZeRO-1 (``dp_mode: zero1``): the shares the runtime makes, how they are priced, and searched.
 
-The runtime gives whole tensors to replicas (runtime.zero.owners); the cost
+The runtime gives whole tensors to replicas (planner.plan.shares.owners); the cost
 model prices a replica's share by the bound that assignment guarantees
 ([Note: ZeRO-1 shares] in planner.cost.basis); the search tries both modes
 with ``--dp-mode auto`` and picks ZeRO-1 where DDP's whole optimizer state
@@ -19,8 +19,8 @@ from planner.cost.basis import Layout
 from planner.cost.model import CostModel
 from planner.devices import from_gpus
 from planner.options import SearchOptions, Training
+from planner.plan.shares import owners
 from planner.search import search
-from runtime.zero import owners
 
 GIB = 2**30
 
@@ -37,12 +37,12 @@ def test_owners_keep_every_share_within_the_priced_bound(replicas: int) -> None:
     assert owners([4, 1, 3, 2], 2) == [0, 0, 1, 1]  # deterministic: every replica agrees
 
 
-def _cost(dp_mode: str, dp: int = 4, largest: int = 0) -> CostModel:
+def _cost(dp_mode: str, dp: int = 4, tensors: tuple[int, ...] = ()) -> CostModel:
     profile_for = chain_profiles(n_blocks=8, param_bytes=256 * 2**20)
 
     def profiles(device: str, b: int):  # type: ignore[no-untyped-def]
         prof = profile_for(device, b)
-        blocks = tuple(replace(x, largest_param_bytes=largest) for x in prof.blocks)
+        blocks = tuple(replace(x, param_tensors=tensors) for x in prof.blocks)
         return replace(prof, blocks=blocks)
 
     layout = Layout(
@@ -54,12 +54,18 @@ def _cost(dp_mode: str, dp: int = 4, largest: int = 0) -> CostModel:
 
 
 def test_a_share_is_priced_at_its_bound_and_the_weights_are_sent() -> None:
-    ddp, zero, whole = _cost("ddp"), _cost("zero1", largest=64 * 2**20), _cost("zero1")
-    n = 4 * 256 * 2**20 / 4  # stage 0: blocks 0-3, fp32 parameters
-    share = n / 4 + (1 - 1 / 4) * (64 * 2**20 / 4)  # the largest tensor: 64 MiB
+    mib = 2**20
+    ddp, zero = _cost("ddp"), _cost("zero1", tensors=(128 * mib, 64 * mib, 32 * mib, 32 * mib))
+    whole = _cost("zero1")  # an older profile: no tensors listed
+    n = 4 * 256 * mib / 4  # stage 0: blocks 0-3, fp32 parameters
     assert ddp.memory(0, 0, 4, False).optimizer == pytest.approx(8 * n)  # Adam: two moments
-    assert zero.memory(0, 0, 4, False).optimizer == pytest.approx(8 * share)
-    # An older profile (no largest tensor): a block's whole parameters stand for it.
+    # The runtime's assignment: each replica one 128, one 64 and two 32 MiB tensors.
+    assert zero.memory(0, 0, 4, False).optimizer == pytest.approx(8 * n / 4)
+    # Blocks 0-2 (3 × 128, 3 × 64, 6 × 32 MiB on 4 replicas, largest first to the least
+    # loaded): 128+64, 128+32+32, 128+32+32, 64+64+32+32: 192 MiB each, where Graham's
+    # bound says 768 / 4 + 0.75 × 128 = 288.
+    assert zero.basis.stepped(0, 0, 3) == pytest.approx(192 * mib / 4)
+    # Without the tensors, Graham's bound: a block's whole parameters stand for the largest.
     assert whole.memory(0, 0, 4, False).optimizer == pytest.approx(8 * (n / 4 + 0.75 * n / 4))
     assert zero.time.gather_ms(0, 0, 4) > 0 == ddp.time.gather_ms(0, 0, 4)
     assert zero.time.optimizer_ms(0, 0, 4) < ddp.time.optimizer_ms(0, 0, 4)
@@ -87,7 +93,7 @@ def _search(options: SearchOptions):  # type: ignore[no-untyped-def]
 
     def profile_for(device: str, b: int):  # type: ignore[no-untyped-def]
         prof = chain(device, b)
-        blocks = tuple(replace(x, largest_param_bytes=x.param_bytes // 8) for x in prof.blocks)
+        blocks = tuple(replace(x, param_tensors=(x.param_bytes // 8,) * 8) for x in prof.blocks)
         return replace(prof, blocks=blocks)
 
     return search(
