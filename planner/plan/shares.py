@@ -15,7 +15,7 @@ from collections.abc import Sequence
 __all__ = ["owners", "share_loads"]
 
 
-def owners(sizes: Sequence[int], replicas: int) -> list[int]:
+def owners(sizes: Sequence[float], replicas: int) -> list[int]:
     """The replica owning each tensor: largest first, each to the replica holding the
     fewest bytes so far (ties: the earlier tensor, the lower replica), so none holds
     more than ``Σ sizes / replicas + (1 − 1/replicas) · max(sizes)``.
@@ -25,7 +25,7 @@ def owners(sizes: Sequence[int], replicas: int) -> list[int]:
     """
     if replicas < 1:
         raise ValueError(f"replicas must be ≥ 1, got {replicas}")
-    load = [0] * replicas
+    load = [0.0] * replicas
     out = [0] * len(sizes)
     for k in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
         r = min(range(replicas), key=lambda r: (load[r], r))
@@ -34,14 +34,14 @@ def owners(sizes: Sequence[int], replicas: int) -> list[int]:
     return out
 
 
-def share_loads(sizes: Sequence[int], replicas: int) -> list[int]:
+def share_loads(sizes: Sequence[float], replicas: int) -> list[float]:
     """The bytes each replica owns under :func:`owners` (equal sizes are interchangeable,
     so their order does not change the loads).
 
     >>> share_loads([4, 1, 3, 2], 2)
-    [5, 5]
+    [5.0, 5.0]
     """
-    load = [0] * replicas
+    load = [0.0] * replicas
     for k, r in enumerate(owners(sizes, replicas)):
         load[r] += sizes[k]
     return load
