@@ -303,7 +303,7 @@ class CostBasis:
         blocks = self.tables[self.stage_types[s][0]].param_tensors[i:j]
         if any(t is None for t in blocks):
             return bound
-        sizes = [x for t in blocks for x in t or ()]
+        sizes: list[float] = [x for t in blocks for x in t or ()]
         sizes += [nbytes for o, nbytes, users in self.tied if not i <= o < j
                   and any(i <= u < j for u in users)]  # fmt: skip
         return max(share_loads(sizes, self.layout.dp)) / self.param_elem
