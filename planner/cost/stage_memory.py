@@ -164,11 +164,11 @@ class StageMemoryModel:
 
     def floor(self, s: int, i: int, j: int) -> float:
         """Bytes stage s holds at its peak whatever else, non-decreasing in j: the weights
-        (and their bf16 copy), optimizer state (with ZeRO-1 at least 1/dp of it),
-        buffers and DDP's buckets of blocks
-        [i, j), and the larger of all their gradients (the optimizer step) and what the
-        first backward holds at its worst block k (the gradients of the blocks after k,
-        the activations of the blocks up to k: recomputed or not, one micro-batch's)."""
+        (and their bf16 copy), optimizer state (with ZeRO-1 at least 1/dp of it), buffers
+        and DDP's buckets of blocks [i, j), and the larger of all their gradients (the
+        optimizer step) and what the first backward holds at its worst block k (the
+        gradients of the blocks after k, the activations of the blocks up to k:
+        recomputed or not, one micro-batch's)."""
         b = self.b
         tab = b.table(s)
         n_params = b.parameters(s, i, j)

@@ -311,10 +311,10 @@ class StageTime:
         """With ZeRO-1, after the optimizer step: each replica of stage s sends the
         weights of its share to the others, one broadcast per replica (ms); 0 with DDP.
 
-        dp broadcasts of a share each (:meth:`CostBasis.stepped`'s bound, in the
-        weights' bytes), each a pipelined ring over the ring the stage's replicas
-        all-reduce on (as NCCL's): ``S/B + (n−1)·L``, half of what a ring
-        all-reduce of ``S·n/(n−1)`` takes (:meth:`Cluster.allreduce_time`).
+        dp broadcasts, each priced at the largest share (:meth:`CostBasis.stepped`, in
+        the weights' bytes; the others' are no larger), each a pipelined ring over the
+        ring the stage's replicas all-reduce on (as NCCL's): ``S/B + (n−1)·L``, half
+        of what a ring all-reduce of ``S·n/(n−1)`` takes (:meth:`Cluster.allreduce_time`).
         """
         b = self.b
         if not b.sharded:

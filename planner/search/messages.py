@@ -122,11 +122,12 @@ def nothing_fits(
         + _memory_summary(oom_costs, cluster, training)
         + "Fix: more devices or devices with more memory (--gpus, a cluster file), fewer "
         "samples per micro-batch (more --micro-batches or a smaller --batch-size), "
-        "--precision bf16-mixed, --optimizer sgd (less state per parameter)"
+        "--precision bf16-mixed, "
         + (
-            ", or --dp-mode auto (ZeRO-1: replicas share the optimizer state out). "
+            "--optimizer sgd (less state per parameter), or --dp-mode auto (ZeRO-1: replicas "
+            "share the optimizer state out). "
             if options.dp_mode == "ddp"
-            else ". "
+            else "or --optimizer sgd (less state per parameter). "
         )
         + "Activation recompute was already tried for every stage."
     )
