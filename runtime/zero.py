@@ -1,8 +1,8 @@
 """ZeRO-1: the replicas of a stage share out its optimizer state, and send each other weights.
 
 With ``layout.dp_mode: zero1`` every parameter tensor of a stage belongs to one
-replica of it (``planner.plan.shares.owners``); that replica's optimizer alone holds its state
-and steps it. Gradients stay whole on every replica (DDP's all-reduce, so the
+replica of it (``planner.plan.shares.owners``); that replica's optimizer alone
+holds its state and steps it. Gradients stay whole on every replica (DDP's all-reduce, so the
 global norm, clipping and the non-finite checks are unchanged); after the
 step each replica sends the weights it stepped to the others
 (:meth:`ShardedWeights.send`), one broadcast per replica and dtype, from one
@@ -11,7 +11,9 @@ flat buffer. The planner prices the same shares ([Note: ZeRO-1 shares] in
 
 Checkpoints: each rank's optimizer state holds its own parameters' entries
 under the model's names, so the ranks' parts merge into one (DCP writes each
-key once) and load back under DDP, or with another dp.
+key once): each rank of a run of the same plan loads its share back, and each
+rank of a DDP run of the same layout the state of all its stage's parameters
+(both tested: tests/runtime/test_zero1_runs.py); with another dp: not tested.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class ShardedWeights:
         self.mesh = mesh
         self.shares: list[list[nn.Parameter]] = [[] for _ in range(mesh.dp)]
         seen: set[int] = set()
-        for st in stages:  # each stage apart: the planner bounds each stage's share
+        for st in stages:  # each stage apart, as the planner prices each stage's share
             params = [p for p in st.trainable() if id(p) not in seen]
             seen |= {id(p) for p in params}
             who = owners([p.numel() * p.element_size() for p in params], mesh.dp)

@@ -7,7 +7,9 @@ requires every step's loss (on every rank) and every parameter to match, every
 rank's copy of a tensor (DDP replicas, tied copies) to agree, each replica's
 optimizer to step a share of its stage's parameters (the shares of a stage's
 replicas disjoint, and covering it), and a checkpoint of the run to load back
-into a fresh one with every rank's optimizer state and weights equal. World 2:
+into a fresh one with every rank's optimizer state and weights equal, and into
+a run of the DDP twin of the plan with every rank holding the state of all its
+stage's parameters (its own share's equal to what it stepped). World 2:
 pp 1 × dp 2 (the model itself under DDP); world 4: pp 2 × dp 2, the GPT with its
 tied embedding and head.
 """
@@ -47,33 +49,32 @@ def _model(name: str, seed: int = 0) -> torch.nn.Module:
     return build(name)
 
 
-def _planned(world: int, tmp: Path) -> str:
+def _planned(world: int, tmp: Path, dp_mode: str) -> str:
     name, pp, schedule = CASES[world]
     x, y = batch(name, BATCH, 0)
-    search = SearchOptions(pp=pp, dp=2, micro_batches=2, schedule=schedule, dp_mode="zero1")
+    search = SearchOptions(pp=pp, dp=2, micro_batches=2, schedule=schedule, dp_mode=dp_mode)
     plan = plan_model(
         _model(name), (x, y), cluster=from_gpus(world, "h100"), loss_fn=loss_for(name),
         options=PlanOptions(training=Training(global_batch=BATCH), search=search),
         model_file=f"{name}.py",
     )  # fmt: skip
-    assert plan.dp_mode == "zero1"
-    return str(save_plan(plan, tmp / f"zero1-{world}.yaml"))
+    assert plan.dp_mode == dp_mode
+    return str(save_plan(plan, tmp / f"{dp_mode}-{world}.yaml"))
 
 
-def _worker(plan_path: str, name: str) -> dict[str, Any]:
+def _worker(plan_path: str, name: str, ddp_path: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from runtime.checkpoint import load, save
     from runtime.engine import ParallelModel
 
-    plan = load_plan(plan_path)
     model = _model(name)
     reference = copy.deepcopy(model)
     batches = [batch(name, BATCH, k) for k in range(STEPS)]
 
-    def run(seed: int) -> Any:
+    def run(seed: int, path: str = plan_path) -> Any:
         return ParallelModel.from_plan(
-            model if seed == 0 else _model(name, seed), plan, loss_fn=loss_for(name),
+            model if seed == 0 else _model(name, seed), load_plan(path), loss_fn=loss_for(name),
             optimizer=_adam, sample=((batches[0][0],), {}),
         )  # fmt: skip
 
@@ -91,6 +92,9 @@ def _worker(plan_path: str, name: str) -> dict[str, Any]:
     fresh = run(1)  # other weights than pm's start
     load(fresh, path)
     out["resumed"] = _differences(pm, fresh)
+    ddp = run(2, ddp_path)
+    load(ddp, path)
+    out["into_ddp"] = _into_ddp(pm, ddp)
     full = pm.state_dict()
     copies = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object({k: v.cpu() for k, v in pm.stage_state_dict().items()}, copies, dst=0)
@@ -110,6 +114,24 @@ def _differences(pm: Any, fresh: Any) -> str:
                 return f"optimizer state {k}.{key} differs"
     mine, back = pm.stage_state_dict(), fresh.stage_state_dict()
     bad = [k for k, v in mine.items() if not torch.equal(v, back[k])]
+    return f"weights differ: {bad[:3]}" if bad else ""
+
+
+def _into_ddp(pm: Any, ddp: Any) -> str:
+    """ "" when the DDP run ``ddp`` holds optimizer state for every parameter of its stage,
+    this rank's share's equal to ``pm``'s, and ``pm``'s weights; else what differs."""
+    names = {id(p): n for n, p in ddp.stage.module.named_parameters()}
+    have = {names[id(p)]: st for p, st in ddp.optimizer.state.items() if st}
+    every = sorted(n for n, p in ddp.stage.module.named_parameters() if p.requires_grad)
+    if sorted(have) != every:
+        return f"state for {sorted(have)}, the stage trains {every}"
+    mine = {id(p): n for n, p in pm.stage.module.named_parameters()}
+    for p, st in pm.optimizer.state.items():
+        for key, value in st.items():
+            if not torch.equal(torch.as_tensor(value), torch.as_tensor(have[mine[id(p)]][key])):
+                return f"optimizer state {mine[id(p)]}.{key} differs"
+    back = ddp.stage_state_dict()
+    bad = [k for k, v in pm.stage_state_dict().items() if not torch.equal(v, back[k])]
     return f"weights differ: {bad[:3]}" if bad else ""
 
 
@@ -146,8 +168,8 @@ def test_zero1_trains_like_one_process_on_disjoint_shares_and_resumes_exactly(
     world: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
-    plan_path = _planned(world, tmp_path)
-    ranks = run_world(_worker, world, args=(plan_path, CASES[world][0]), timeout_s=WORLD_TIMEOUT_S)
+    plans = (_planned(world, tmp_path, "zero1"), CASES[world][0], _planned(world, tmp_path, "ddp"))
+    ranks = run_world(_worker, world, args=plans, timeout_s=WORLD_TIMEOUT_S)
     root = ranks[0]
     assert not root["mismatches"], "\n".join(root["mismatches"])
     assert root["spread"] <= 1e-6, f"copies differ by {root['spread']}"
@@ -158,6 +180,7 @@ def test_zero1_trains_like_one_process_on_disjoint_shares_and_resumes_exactly(
             msg=lambda m, r=rank: f"rank {r} losses: {m}",
         )  # fmt: skip
         assert res["resumed"] == "", (rank, res["resumed"])
+        assert res["into_ddp"] == "", (rank, res["into_ddp"])
         by_stage.setdefault(res["stage"], []).append(res)
     for stage, replicas in by_stage.items():
         every = replicas[0]["trainable"]
