@@ -9,8 +9,9 @@ optimizer to step a share of its stage's parameters (the shares of a stage's
 replicas disjoint, and covering it), and a checkpoint of the run to load back
 into a fresh one with every rank's optimizer state and weights equal, and into
 a run of the DDP twin of the plan with every rank holding the state of all its
-stage's parameters (its own share's equal to what it stepped). World 2:
-pp 1 × dp 2 (the model itself under DDP); world 4: pp 2 × dp 2, the GPT with its
+stages' parameters (its own share's equal to what it stepped). World 2:
+pp 1 × dp 2 (the model itself under DDP); world 4: pp 2 × dp 2 (1F1B), and
+pp 2 × v 2 × dp 2 (Interleaved 1F1B, two stages per rank), the GPT with its
 tied embedding and head.
 """
 
@@ -37,7 +38,11 @@ WORLD_TIMEOUT_S = 180
 
 pytestmark = pytest.mark.multiprocess
 
-CASES = {2: ("mlp", 1, "gpipe"), 4: ("gpt", 2, "1f1b")}  # world size: model, pp, schedule
+CASES = {  # name: world size, model, pp, schedule, stages per rank, micro-batches
+    "pp1-dp2-mlp": (2, "mlp", 1, "gpipe", 1, 2),
+    "pp2-dp2-gpt": (4, "gpt", 2, "1f1b", 1, 2),
+    "pp2-v2-dp2-gpt": (4, "gpt", 2, "interleaved-1f1b", 2, 4),
+}
 
 
 def _adam(ps: Any) -> torch.optim.Optimizer:
@@ -49,17 +54,31 @@ def _model(name: str, seed: int = 0) -> torch.nn.Module:
     return build(name)
 
 
-def _planned(world: int, tmp: Path, dp_mode: str) -> str:
-    name, pp, schedule = CASES[world]
+def _planned(case: str, tmp: Path, dp_mode: str) -> str:
+    world, name, pp, schedule, v, m = CASES[case]
     x, y = batch(name, BATCH, 0)
-    search = SearchOptions(pp=pp, dp=2, micro_batches=2, schedule=schedule, dp_mode=dp_mode)
+    search = SearchOptions(
+        pp=pp, dp=2, micro_batches=m, schedule=schedule, virtual=v, dp_mode=dp_mode
+    )
     plan = plan_model(
         _model(name), (x, y), cluster=from_gpus(world, "h100"), loss_fn=loss_for(name),
         options=PlanOptions(training=Training(global_batch=BATCH), search=search),
         model_file=f"{name}.py",
     )  # fmt: skip
-    assert plan.dp_mode == dp_mode
-    return str(save_plan(plan, tmp / f"{dp_mode}-{world}.yaml"))
+    assert (plan.dp_mode, plan.virtual) == (dp_mode, v)
+    return str(save_plan(plan, tmp / f"{dp_mode}-{case}.yaml"))
+
+
+def _named(pm: Any) -> dict[int, str]:
+    """Every parameter of this rank's stages: "<stage>:<name>"."""
+    return {id(p): f"{st.index}:{n}" for st in pm.stages for n, p in st.module.named_parameters()}
+
+
+def _trainable(pm: Any) -> list[str]:
+    return sorted(
+        f"{st.index}:{n}" for st in pm.stages for n, p in st.module.named_parameters()
+        if p.requires_grad
+    )  # fmt: skip
 
 
 def _worker(plan_path: str, name: str, ddp_path: str) -> dict[str, Any]:
@@ -80,12 +99,12 @@ def _worker(plan_path: str, name: str, ddp_path: str) -> dict[str, Any]:
 
     pm = run(0)
     losses = [pm.step(x, y) for x, y in batches]
-    names = {id(p): n for n, p in pm.stage.module.named_parameters()}
+    names = _named(pm)
     stepped = [p for g in pm.optimizer.param_groups for p in g["params"]] if pm.optimizer else []
     out: dict[str, Any] = {
         "losses": losses,
         "stage": pm.mesh.stage,
-        "trainable": sorted(n for n, p in pm.stage.module.named_parameters() if p.requires_grad),
+        "trainable": _trainable(pm),
         "stepped": sorted(names[id(p)] for p in stepped),
     }
     path = save(pm, Path(plan_path).parent / f"ckpt-{dist.get_world_size()}", STEPS)
@@ -120,12 +139,12 @@ def _differences(pm: Any, fresh: Any) -> str:
 def _into_ddp(pm: Any, ddp: Any) -> str:
     """ "" when the DDP run ``ddp`` holds optimizer state for every parameter of its stage,
     this rank's share's equal to ``pm``'s, and ``pm``'s weights; else what differs."""
-    names = {id(p): n for n, p in ddp.stage.module.named_parameters()}
+    names = _named(ddp)
     have = {names[id(p)]: st for p, st in ddp.optimizer.state.items() if st}
-    every = sorted(n for n, p in ddp.stage.module.named_parameters() if p.requires_grad)
+    every = _trainable(ddp)
     if sorted(have) != every:
-        return f"state for {sorted(have)}, the stage trains {every}"
-    mine = {id(p): n for n, p in pm.stage.module.named_parameters()}
+        return f"state for {sorted(have)}, the stages train {every}"
+    mine = _named(pm)
     for p, st in pm.optimizer.state.items():
         for key, value in st.items():
             if not torch.equal(torch.as_tensor(value), torch.as_tensor(have[mine[id(p)]][key])):
@@ -163,12 +182,13 @@ def _reference(
 
 
 @pytest.mark.timeout(2 * WORLD_TIMEOUT_S + 60)
-@pytest.mark.parametrize("world", sorted(CASES), ids=lambda w: f"world{w}-{CASES[w][0]}")
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_zero1_trains_like_one_process_on_disjoint_shares_and_resumes_exactly(
-    world: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    world, name, *_ = CASES[case]
     monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
-    plans = (_planned(world, tmp_path, "zero1"), CASES[world][0], _planned(world, tmp_path, "ddp"))
+    plans = (_planned(case, tmp_path, "zero1"), name, _planned(case, tmp_path, "ddp"))
     ranks = run_world(_worker, world, args=plans, timeout_s=WORLD_TIMEOUT_S)
     root = ranks[0]
     assert not root["mismatches"], "\n".join(root["mismatches"])
