@@ -18,11 +18,11 @@ def config_text(layout: Any) -> str:
     share the optimizer state out."""
     text = f"pp {layout.pp} × dp {layout.dp}, m {layout.micro_batches}, {layout.schedule}"
     text += f", v {layout.virtual}" if layout.virtual > 1 else ""
-    return text + (", ZeRO-1" if getattr(layout, "dp_mode", "ddp") == "zero1" else "")
+    return text + (", ZeRO-1" if layout.dp_mode == "zero1" else "")
 
 
 def plan_layout(plan: Any) -> Any:
-    """The Layout (pp, dp, m, schedule, ranks, stages per rank) a plan trains with."""
+    """The Layout (pp, dp, m, schedule, ranks, stages per rank, dp mode) a plan trains with."""
     from planner.cost import Layout
 
     return Layout(
@@ -32,6 +32,7 @@ def plan_layout(plan: Any) -> Any:
         schedule=plan.schedule,
         ranks=tuple(tuple(s.ranks) for s in plan.stages),
         virtual=plan.virtual,
+        dp_mode=plan.dp_mode,
     )
 
 

@@ -67,20 +67,23 @@ class ShardedWeights:
             for p, r in zip(params, who, strict=True):
                 self.shares[r].append(p)
         self.mine = self.shares[mesh.replica]
+        # Per broadcast, made once: its sender, dtype, parameters and their sizes.
+        self._sends: list[tuple[int, torch.dtype, list[nn.Parameter], list[int]]] = []
+        for r, share in enumerate(self.shares):
+            for dtype in dict.fromkeys(p.dtype for p in share):
+                params = [p for p in share if p.dtype == dtype]
+                self._sends.append((r, dtype, params, [p.numel() for p in params]))
 
     def send(self) -> None:
         """Every replica's stepped weights to the others (a collective over the dp group)."""
         group = self.mesh.dp_group
-        for r, share in enumerate(self.shares):
-            for dtype in dict.fromkeys(p.dtype for p in share):
-                params = [p for p in share if p.dtype == dtype]
-                sizes = [p.numel() for p in params]
-                if r == self.mesh.replica:
-                    flat = torch.cat([p.detach().reshape(-1) for p in params])
-                else:
-                    flat = torch.empty(sum(sizes), dtype=dtype, device=params[0].device)
-                dist.broadcast(flat, group=group, group_src=r)
-                if r != self.mesh.replica:
-                    with torch.no_grad():
-                        for p, got in zip(params, flat.split(sizes), strict=True):
-                            p.copy_(got.view_as(p))
+        for r, dtype, params, sizes in self._sends:
+            if r == self.mesh.replica:
+                flat = torch.cat([p.detach().reshape(-1) for p in params])
+            else:
+                flat = torch.empty(sum(sizes), dtype=dtype, device=params[0].device)
+            dist.broadcast(flat, group=group, group_src=r)
+            if r != self.mesh.replica:
+                with torch.no_grad():
+                    for p, got in zip(params, flat.split(sizes), strict=True):
+                        p.copy_(got.view_as(p))

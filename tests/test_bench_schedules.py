@@ -58,6 +58,8 @@ def test_config_text_names_the_stages_per_rank_only_when_several() -> None:
     looped = Layout(pp=2, dp=2, micro_batches=8, schedule="looped-bfs", ranks=ranks * 2, virtual=2)
     assert config_text(one) == "pp 2 × dp 2, m 8, 1f1b"  # bench_plan's text, as before
     assert config_text(looped) == "pp 2 × dp 2, m 8, looped-bfs, v 2"
+    zero1 = Layout(pp=2, dp=2, micro_batches=8, schedule="1f1b", ranks=ranks, dp_mode="zero1")
+    assert config_text(zero1) == "pp 2 × dp 2, m 8, 1f1b, ZeRO-1"
 
 
 def _row(name: str, one: float, titan: float | None, pp: int, v: int = 1) -> dict[str, Any]:

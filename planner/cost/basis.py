@@ -285,21 +285,22 @@ class CostBasis:
         for its largest).
         """
         n = self.parameters(s, i, j) + self.tied_copy_bytes(i, j) / self.param_elem
-        dp = self.layout.dp
         if not self.sharded:
             return n
+        key = (self.stage_types[s][0], i, j)  # asked for by memory and time alike: once
+        got = self._shares.get(key)
+        if got is None:
+            got = self._shares[key] = self._largest_share(s, i, j, n)
+        return got
+
+    def _largest_share(self, s: int, i: int, j: int, n: float) -> float:
+        """The largest replica's parameters (a count) of the stage's ``n`` under ``owners``;
+        Graham's bound where it is within 1 % of n / dp, or the tensors are unknown."""
+        dp = self.layout.dp
         largest = max([self.table(s).max_tensor(i, j)[0], *self.tied_in(i, j)]) / self.param_elem
         bound = min(n, n / dp + (1 - 1 / dp) * largest)
         if bound <= 1.01 * n / dp:
             return bound
-        key = (self.stage_types[s][0], i, j)
-        got = self._shares.get(key)
-        if got is None:
-            got = self._shares[key] = self._largest_share(s, i, j, bound)
-        return got
-
-    def _largest_share(self, s: int, i: int, j: int, bound: float) -> float:
-        """The largest replica's parameters (a count) under ``owners``; ``bound`` if unknown."""
         blocks = self.tables[self.stage_types[s][0]].param_tensors[i:j]
         if any(t is None for t in blocks):
             return bound
