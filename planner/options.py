@@ -96,7 +96,9 @@ class SearchOptions:
     dp_mode: str = option(
         "ddp",
         help="how replicas hold the optimizer state: ddp, each all of it; zero1, each a share "
-        "(ZeRO-1: less memory, the weights sent after each step); auto searches both",
+        "(ZeRO-1: less memory, the weights sent after each step); fsdp, each a shard of the "
+        "weights, gradients and state (FSDP: the weights gathered for each step's forwards and "
+        "backwards, the gradients reduce-scattered after them); auto searches all three",
         choices=(*DP_MODES, "auto"),
     )
     solver: str = option(
@@ -173,7 +175,7 @@ class SearchOptions:
 
     @property
     def dp_modes(self) -> tuple[str, ...]:
-        """The dp modes searched: the pinned one, or every one ("auto")."""
+        """The dp modes searched: the pinned one, or every one ("auto": ddp, zero1, fsdp)."""
         return DP_MODES if self.dp_mode == "auto" else (self.dp_mode,)
 
 

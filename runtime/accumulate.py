@@ -4,7 +4,9 @@ A plan with one stage needs no split and no schedule: the model itself (DDP
 over the replicas when dp > 1) runs the plan's m micro-batches one after the
 other, forward then backward, the first m − 1 under ``no_sync()``, so the
 gradients accumulate locally and are all-reduced once, during the last
-backward, as a hand-written DDP training loop does. The loss of micro-batch i
+backward, as a hand-written DDP training loop does (with ``dp_mode: fsdp``:
+no gradient sync and no resharding until the last backward, as torch's
+pipeline stage does, ``runtime.fsdp``). The loss of micro-batch i
 is scaled by 1/m before its backward: the same gradient as the pipelining
 schedule's ``scale_grads`` ([Note: one loss-normalisation rule] in
 ``runtime.engine``).
@@ -26,21 +28,23 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.plan.batch import batch_size_of, slice_batch
 from planner.plan.schema import Plan
+from runtime.fsdp import is_sharded, set_last_backward
 from runtime.mesh import Mesh
 from runtime.recompute import maybe_recompute
-from runtime.stage import StageModule, maybe_ddp
+from runtime.stage import StageModule, replicate
 
 __all__ = ["Accumulate", "build_whole"]
 
 
 def build_whole(model: nn.Module, plan: Plan, mesh: Mesh) -> StageModule:
-    """The one stage of a pp = 1 plan: the model itself (DDP-wrapped when dp > 1)."""
+    """The one stage of a pp = 1 plan: the model itself (DDP-wrapped when dp > 1, or with
+    ``dp_mode: fsdp`` one FSDP unit)."""
     assert plan.pp == 1, plan.pp
     names = frozenset(k for k, _ in model.named_parameters(remove_duplicate=False)) | frozenset(
         k for k, _ in model.named_buffers(remove_duplicate=False)
     )
     runner = maybe_recompute(model, plan.stages[0].recompute)
-    wrapped = maybe_ddp(runner, mesh)
+    wrapped = replicate(runner, mesh, plan)
     stage = StageModule(
         index=0,
         num_stages=1,
@@ -102,6 +106,9 @@ class Accumulate:
 
     def _sync(self, k: int) -> Any:
         wrapped = self.stage.wrapped
+        if is_sharded(wrapped):  # as torch's stage: sync and free after the last backward only
+            set_last_backward(wrapped, k == self.m - 1)
+            return contextlib.nullcontext()
         if isinstance(wrapped, DistributedDataParallel) and k < self.m - 1:
             return wrapped.no_sync()
         return contextlib.nullcontext()

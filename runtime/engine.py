@@ -37,6 +37,7 @@ from planner.plan.batch import batch_size_of, normalize_inputs, slice_batch
 from planner.plan.schema import Plan
 from runtime.accumulate import build_whole
 from runtime.checks import check_plan
+from runtime.fsdp import whole
 from runtime.gradients import GradientStep, check_gradient_options
 from runtime.materialize import stage_weights
 from runtime.mesh import Mesh, init_mesh
@@ -300,7 +301,8 @@ class ParallelModel:
 
         A tied parameter appears under its first name in the model (e.g.
         ``tok_emb.weight`` even on the stage that uses it as ``head.weight``).
-        Tensors are detached, on the stage's device. No communication.
+        Tensors are detached, on the stage's device. No communication: with
+        ``dp_mode: fsdp`` the parameters are this replica's shards (DTensors).
         """
         out: dict[str, Tensor] = {}
         for st in self.stages:
@@ -316,11 +318,12 @@ class ParallelModel:
         A collective: every rank must call it. Keys are the model's own, in
         ``model.state_dict()`` order, each tied tensor once (under its first
         name); ``model.load_state_dict(sd, strict=False)`` restores it.
-        Replica 0's stages are gathered.
+        Replica 0's stages are gathered (with FSDP each stage's replicas first gather
+        its shards together).
         """
-        mine = None
-        if self.mesh.replica == 0:
-            mine = {k: v.cpu() for k, v in self.stage_state_dict().items()}
+        # FSDP: every replica gathers its stages' shards with the others (same keys, order).
+        stage = {k: whole(v) for k, v in self.stage_state_dict().items()}
+        mine = {k: v.cpu() for k, v in stage.items()} if self.mesh.replica == 0 else None
         rank = self.mesh.rank
         parts: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(mine, parts, dst=0)

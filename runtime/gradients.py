@@ -14,7 +14,9 @@ the same summed gradient after ``TiedParams.sync_grads``) counts once: on the
 first stage holding it, its first copy. Every rank gets the same norm, so every
 rank takes the same decision (clip, skip, stop) without another collective.
 Clipping then scales every gradient (every copy) by ``c / (‖g‖ + 1e-6)`` when
-that is below 1, as torch's ``clip_grad_norm_`` does.
+that is below 1, as torch's ``clip_grad_norm_`` does. With FSDP each replica
+holds a shard of every gradient (``runtime.fsdp``): the sum of squares is taken
+over the local shards and summed over the dp group too.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from runtime.fsdp import local
 from runtime.mesh import Mesh
 from runtime.options import NONFINITE_ACTIONS
 from runtime.stage import StageModule
@@ -46,8 +49,11 @@ class GradientNorm:
     """The global gradient norm of one replica's stages (see the note above); ``modules``
     are this rank's stages' (several when v > 1)."""
 
-    def __init__(self, modules: Sequence[nn.Module], tied: TiedParams, mesh: Mesh) -> None:
+    def __init__(
+        self, modules: Sequence[nn.Module], tied: TiedParams, mesh: Mesh, sharded: bool = False
+    ) -> None:
         self.mesh = mesh
+        self.sharded = sharded  # FSDP: each replica holds a shard of every gradient
         skip: set[int] = set()
         for g in tied.mine:
             owner = g.ranks[0] == mesh.rank
@@ -65,7 +71,7 @@ class GradientNorm:
 
     def norm(self) -> float:
         """‖g‖ over the replica's stages (a collective over the pp group when pp > 1)."""
-        grads = [p.grad for p in self.counted if p.grad is not None]
+        grads = [local(p.grad) for p in self.counted if p.grad is not None]
         device = self.mesh.device
         if grads:
             norms = torch._foreach_norm([g.detach() for g in grads], 2.0)
@@ -74,6 +80,8 @@ class GradientNorm:
             total = torch.zeros(1, device=device)
         if self.mesh.pp > 1:
             dist.all_reduce(total, group=self.mesh.pp_group)
+        if self.sharded:  # the replicas' shards together make the gradients
+            dist.all_reduce(total, group=self.mesh.dp_group)
         return math.sqrt(float(total.item()))
 
     def clip(self, norm: float, max_norm: float) -> float:
@@ -81,7 +89,7 @@ class GradientNorm:
         coef = max_norm / (norm + 1e-6)
         if coef >= 1.0:
             return 1.0
-        grads: list[Tensor] = [p.grad for p in self.every if p.grad is not None]
+        grads: list[Tensor] = [local(p.grad) for p in self.every if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, coef)
         return coef
@@ -125,7 +133,8 @@ class GradientStep:
         self.stages, self.mesh, self.optimizer = tuple(stages), mesh, optimizer
         self.after_step = after_step  # ZeRO-1: the weights' exchange (runtime.zero)
         self.clip_grad_norm, self.on_nonfinite = clip_grad_norm, on_nonfinite
-        self.grads = GradientNorm([st.module for st in self.stages], tied, mesh)
+        sharded = any(st.fsdp for st in self.stages)
+        self.grads = GradientNorm([st.module for st in self.stages], tied, mesh, sharded)
         self.norm = float("nan")
         self.skipped = False
         self._checked = False

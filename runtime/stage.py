@@ -31,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.plan.schema import Plan
+from runtime.fsdp import is_sharded, shard_stage
 from runtime.mesh import Mesh
 from runtime.options import SPLIT_METHODS
 from runtime.precision import retype_boundaries, send_as
@@ -38,7 +39,7 @@ from runtime.recompute import maybe_recompute
 from runtime.split import Example, StageError, split_for_plan
 from runtime.split.used import prune_unused, release_others, used_tensors
 
-__all__ = ["StageModule", "build_stage", "build_stages", "maybe_ddp", "rank_module"]
+__all__ = ["StageModule", "build_stage", "build_stages", "maybe_ddp", "rank_module", "replicate"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ class StageModule:
         module: the stage's submodule; its parameters and buffers keep the
             model's FQNs (``blocks.3.attn.qkv.weight``).
         wrapped: ``DistributedDataParallel(module)`` when dp > 1 and the stage
-            has trainable parameters, else ``module``.
+            has trainable parameters; with ``dp_mode: fsdp`` the module itself
+            made an FSDP unit (``runtime.fsdp``); else ``module``.
         pipeline_stage: torch's stage object the schedule runs.
         method: how the model was split: "pipeline" or "fx".
         fallback_reason: why ``pipeline`` was not used (None when it was).
@@ -75,6 +77,11 @@ class StageModule:
     @property
     def ddp(self) -> bool:
         return isinstance(self.wrapped, DistributedDataParallel)
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether the replicas shard this stage (``runtime.fsdp``)."""
+        return is_sharded(self.wrapped)
 
     def trainable(self) -> list[nn.Parameter]:
         """This stage's parameters that require grad, each tensor once."""
@@ -165,7 +172,7 @@ def build_stages(
     for s, module, stage in zip(mesh.stages, mine, stages, strict=True):
         # [Note: recompute as it runs] in runtime.recompute
         runner = maybe_recompute(send_as(module, sends[s]), plan.stages[s].recompute)
-        wrapped = maybe_ddp(runner, mesh)
+        wrapped = replicate(runner, mesh, plan)
         stage.submod = wrapped
         log.info(
             "%s stage %d/%d built with %s: %d parameters (%d trainable), %s",
@@ -175,7 +182,7 @@ def build_stages(
             parts.method,
             sum(1 for _ in module.parameters()),
             sum(p.numel() for p in module.parameters() if p.requires_grad),
-            "DDP" if wrapped is not module else "no DDP",
+            "FSDP" if is_sharded(wrapped) else "DDP" if wrapped is not module else "no DDP",
         )
         out.append(
             StageModule(
@@ -280,6 +287,14 @@ def rank_module(stages: Sequence[StageModule]) -> nn.Module:
 
 
 # --------------------------------------------------------------------------- DDP
+
+
+def replicate(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
+    """The stage over its replicas as the plan's dp mode says: FSDP (``runtime.fsdp``) with
+    ``dp_mode: fsdp`` and dp > 1, else DDP (:func:`maybe_ddp`; ZeRO-1's gradients are DDP's)."""
+    if plan.dp_mode == "fsdp" and mesh.dp > 1:
+        return shard_stage(module, mesh, plan)
+    return maybe_ddp(module, mesh)
 
 
 def maybe_ddp(module: nn.Module, mesh: Mesh) -> nn.Module:

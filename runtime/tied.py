@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from planner.plan.schema import Plan
+from runtime.fsdp import like, local
 from runtime.mesh import Mesh
 from runtime.stage import StageModule
 
@@ -113,18 +114,21 @@ class TiedParams:
         """Make every copy equal to the first stage's first (once, at start-up)."""
         for g in self.mine:
             first, *others = g.params
-            with torch.no_grad():
+            with torch.no_grad():  # FSDP: every copy's shard is the same part (one replica)
                 if g.group is not None:
-                    dist.broadcast(first.data, src=g.ranks[0], group=g.group)
+                    dist.broadcast(local(first.data), src=g.ranks[0], group=g.group)
                 for p in others:
-                    p.data.copy_(first.data)
+                    local(p.data).copy_(local(first.data))
 
     def sync_grads(self) -> None:
         """Sum the copies' gradients (see the module's note); call after backward, before step."""
         pending = []
         for g in self.mine:
             # A copy whose use did not reach the loss contributes zeros.
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params]
+            grads = [
+                local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
+                for p in g.params
+            ]
             total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
             work = None
             if g.group is not None:
@@ -134,7 +138,7 @@ class TiedParams:
             if work is not None:
                 work.wait()
             for k, p in enumerate(g.params):
-                p.grad = total if k == 0 else total.clone()
+                p.grad = like(p, total if k == 0 else total.clone())
 
 
 def build_tied(

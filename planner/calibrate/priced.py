@@ -36,5 +36,7 @@ def plan_cost_model(plan: Plan, calibrations: dict[str, Calibration] | None = No
         micro_batches=plan.micro_batches,
         schedule=plan.schedule,
         ranks=tuple(tuple(s.ranks) for s in plan.stages),
+        virtual=plan.virtual,
+        dp_mode=plan.dp_mode,
     )
     return CostModel(profs, from_record(plan.cluster), training, layout)

@@ -61,7 +61,8 @@ class Layout:
             (the stages of one pipeline rank: the same ranks).
         virtual: stages per pipeline rank; the layout has ``pp · virtual`` stages.
         dp_mode: how the replicas hold the optimizer state (``DP_MODES``): "ddp",
-            each all of it; "zero1", each a share ([Note: ZeRO-1 shares]).
+            each all of it; "zero1", each a share ([Note: ZeRO-1 shares]); "fsdp",
+            each a shard of every parameter ([Note: FSDP as it runs]).
     """
 
     pp: int
@@ -76,8 +77,11 @@ class Layout:
         if self.dp_mode not in DP_MODES:
             modes = ", ".join(DP_MODES)
             raise ValueError(f"unknown dp mode {self.dp_mode!r}; choose one of {modes}")
-        if self.dp_mode == "zero1" and self.dp == 1:
-            raise ValueError("dp mode zero1 shares optimizer state among replicas: it needs dp ≥ 2")
+        if self.dp_mode != "ddp" and self.dp == 1:
+            raise ValueError(
+                f"dp mode {self.dp_mode} shares optimizer state among replicas: it needs dp ≥ 2 "
+                "(got dp 1); use dp_mode ddp, or a dp ≥ 2"
+            )
         if self.schedule not in SIMULATED:
             raise ValueError(
                 f"unknown schedule {self.schedule!r}; choose one of {', '.join(SIMULATED)}"
@@ -177,6 +181,39 @@ class BlockTable:
         self.tensors = [0, *accumulate(2 * len(x.modules) if x.param_bytes else 0 for x in b)]
 
 
+# [Note: FSDP as it runs] With ``dp_mode: fsdp`` the runtime makes each stage module
+# one unit of torch's ``fully_shard`` over the stage's replicas, with
+# ``reshard_after_forward=False`` (``runtime.fsdp``); torch's pipelining turns the
+# gradients' sync off for all but the stage's last backward of the step. Priced per
+# replica of a stage of n parameters, tied copies included (a copy is a parameter
+# of its stage, sharded alike; their gradients' exchange is as with DDP):
+#
+# * between steps: a dim-0 shard of every tensor, its optimizer state and its
+#   gradient, n/dp each (a shard has ⌈rows/dp⌉ rows: priced n/dp, the rounding left
+#   out); :meth:`CostBasis.stepped` is n/dp, the optimizer steps that;
+# * from the stage's first forward to its last backward: the weights gathered whole,
+#   n·weights_b, beside the shard (and bf16-mixed's cast copy, as with DDP), and the
+#   gradients accumulated whole, n·grads_b; the last backward ends with one
+#   reduce-scatter whose output, n/dp·grads_b, joins them; then the whole weights and
+#   gradients are freed. Under bf16-mixed the gradients reduce in bf16 (``wire_b``,
+#   as DDP's all-reduce), and FSDP keeps those accumulated between micro-batches in
+#   bf16 (``FSDPParam.to_accumulated_grad_if_needed``): a later backward holds them
+#   beside its own fp32 ones, n·(grads_b + wire_b). No DDP buckets; nothing sent
+#   after the step (``stage_memory``'s moments);
+# * time: the all-gather (n·weights_b) and the reduce-scatter (n·wire_b), each half
+#   a ring all-reduce of its bytes, neither overlapped with compute
+#   (``StageTime.fsdp_ms``). Both are priced in the stage's tail. The gather precedes
+#   the stage's first forward, but the step graph has no figure there; step after
+#   step it follows the previous step's tail on the same rank, and where every
+#   stage's gather takes as long the two places give the same step (the pipeline
+#   starts one gather later; each stage's own gather is done by then); else the
+#   tail's is an approximation. The reduce-scatter runs where torch runs it
+#   (``perform_reduce_grad``): after the stage's last backward and its gradient's
+#   send with GPipe and 1F1B; with several stages per rank, before the rank's next
+#   action (the tail leaves that delay out). Stages that exchange tied weights start
+#   their tails together, so their reduce-scatters wait for each other's last backward.
+
+
 class CostBasis:
     """The layout's shared facts, checked (see the module docstring).
 
@@ -266,12 +303,18 @@ class CostBasis:
 
     @property
     def sharded(self) -> bool:
-        """Whether the replicas share the optimizer state out (ZeRO-1)."""
+        """Whether the replicas share the optimizer state out by whole tensors (ZeRO-1)."""
         return self.layout.dp_mode == "zero1"
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether the replicas shard every parameter ([Note: FSDP as it runs])."""
+        return self.layout.dp_mode == "fsdp"
 
     def stepped(self, s: int, i: int, j: int) -> float:
         """Parameters (a count, tied copies included) whose optimizer state one replica of
-        stage s holds and steps: all of them, or with ZeRO-1 the largest share.
+        stage s holds and steps: all of them, with ZeRO-1 the largest share, with FSDP
+        a shard of each, n / dp in all ([Note: FSDP as it runs]).
 
         [Note: ZeRO-1 shares] The runtime (``runtime.zero``) gives each of a stage's
         parameter tensors whole to one replica (``planner.plan.shares.owners``:
@@ -285,6 +328,8 @@ class CostBasis:
         for its largest).
         """
         n = self.parameters(s, i, j) + self.tied_copy_bytes(i, j) / self.param_elem
+        if self.fsdp:
+            return n / self.layout.dp
         if not self.sharded:
             return n
         key = (self.stage_types[s][0], i, j)  # asked for by memory and time alike: once

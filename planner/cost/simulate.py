@@ -92,7 +92,7 @@ def simulate(
         link_fwd, link_bwd: per link s → s+1 (p − 1 of them), the time of one
             micro-batch's activation / gradient transfer. Default 0.
         sync: per stage, the tail after its last backward (tied exchange,
-            optimizer step).
+            optimizer step; with FSDP its all-gather and reduce-scatter).
         speed: ``speed[k − 1]`` is the rate at which every computing stage
             progresses while k stages compute at once (1.0 = as fast as alone;
             see [Note: shared cores]). Default: 1.0 for every k.

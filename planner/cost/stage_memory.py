@@ -34,7 +34,9 @@ class MemoryBreakdown:
     of the micro-batches in flight, the pipeline's receive buffers, the loss's
     tensors and the transient ones (an activation gradient, the optimizer's
     temporaries). ``tied_copies``: weights, gradients and optimizer state of
-    tied copies (counted whole all step).
+    tied copies (counted whole all step; with FSDP as the stage's own at that
+    moment). With FSDP, ``params`` is the weights whole and their shard (and
+    bf16 copy) at a backward's moment, the shard alone at the optimizer step.
     """
 
     params: float
@@ -68,8 +70,10 @@ class StageMemoryModel:
         """The peak of live tensor bytes on a device of stage s holding blocks [i, j).
 
         [Note: the memory peak] Weights, optimizer state, buffers, DDP's buckets
-        and the pipeline's receive buffers live all step; gradients and
-        activations come and go, so the peak is the largest of these moments:
+        and the pipeline's receive buffers live all step (with FSDP the weights
+        are whole from the first forward to the last backward, beside their
+        shard); gradients and activations come and go, so the peak is the
+        largest of these moments:
 
         * **the first backward** (GPipe, and 1F1B while m ≤ its in-flight count):
           the step began with no gradients (``zero_grad(set_to_none=True)``);
@@ -84,8 +88,12 @@ class StageMemoryModel:
           first backward): autograd computes a parameter's gradient into a new
           tensor, then adds it to the one held: the largest such tensor adds
           (examples/gpt.py at pp 2: 16 MiB, 8 and 11 % of the stages' peaks);
+        * with FSDP, **the reduce-scatter** at the end of the last backward: the
+          weights whole, the gradients whole and the output's shard of them
+          ([Note: FSDP as it runs] in :mod:`planner.cost.basis`);
         * **the optimizer step**: all gradients, the optimizer's temporaries; with
-          ZeRO-1 then a replica's share of the weights, flat, as it is sent.
+          ZeRO-1 then a replica's share of the weights, flat, as it is sent; with
+          FSDP shards only (weights, gradients, state and temporaries over 1/dp).
 
         Per micro-batch in flight: the blocks' saved activations (each tensor
         once, charged to the block that made it), and on the last stage the
@@ -99,6 +107,23 @@ class StageMemoryModel:
         input gradient still being sent. With recompute, micro-batches in flight
         keep only their inputs; the one run backward is recomputed first.
         """
+        b = self.b
+        held = self._held(s, i, j)
+        moments = self._moments(s, i, j, recompute)
+        grads, activations, when = max(
+            moments, key=lambda x: x[0] + x[1] + sum(held[x[2]].values())
+        )
+        return MemoryBreakdown(
+            grads=grads,
+            buffers=b.table(s).buffers[j] - b.table(s).buffers[i],
+            activations=activations,
+            **held[when],
+        )
+
+    def _moments(self, s: int, i: int, j: int, recompute: bool) -> list[tuple[float, float, str]]:
+        """The moments of [Note: the memory peak] as (gradients, activations, when): when is
+        "bwd" (the weights and state of a backward), "rs" (FSDP's reduce-scatter, at the end
+        of the last backward) or "step" (the optimizer step), a key of :meth:`_held`."""
         b = self.b
         tab = b.table(s)
         last = j == b.n_blocks
@@ -121,59 +146,76 @@ class StageMemoryModel:
         _, k = tab.backward_curve(i, j)
         first_grads = tab.grads[j] - tab.grads[k]
         first_acts = tab.act[k + 1] - tab.act[i]
-        moments = [(first_grads, recv + (n - 1) * per_mb + first_acts + loss + grad_tmp)]
+        moments = [(first_grads, recv + (n - 1) * per_mb + first_acts + loss + grad_tmp, "bwd")]
         out_grads = 2 * stage_output * scale
         if last:  # the loss's backward opens it: no gradients yet, two output-sized ones
-            moments.append((0.0, recv + (n - 1) * per_mb + acts + loss + out_grads))
+            moments.append((0.0, recv + (n - 1) * per_mb + acts + loss + out_grads, "bwd"))
         if m > 1:  # a later micro-batch's backward: every gradient exists, and a new one
             later = n if m > n else n - 1  # in flight then, the one run backward among them
             new = self._largest(s, i, j) / b.param_elem * b.grads_b
+            grads = all_grads
+            if b.fsdp and b.cast_b:  # [Note: FSDP as it runs]: those so far kept in bf16
+                whole = n_params + b.tied_copy_bytes(i, j) / b.param_elem
+                grads, new = all_grads + whole * b.wire_b, 0.0
             held = recv + later * per_mb + (acts if recompute else 0) + new
-            moments.append((all_grads, held + grad_tmp))
+            moments.append((grads, held + grad_tmp, "bwd"))
             if last:
-                moments.append((all_grads, held + out_grads))
-        state, sent = self._state(s, i, j)  # sent: after the optimizer's temporaries
-        moments.append((all_grads, recv + max(self._optimizer_temp(s, i, j), sent)))
-        grads, activations = max(moments, key=lambda g_a: g_a[0] + g_a[1])
-        return MemoryBreakdown(
-            params=n_params * (b.weights_b + b.cast_b),
-            grads=grads,
-            buffers=tab.buffers[j] - tab.buffers[i],
-            activations=activations,
-            **state,
-        )
+                moments.append((grads, held + out_grads, "bwd"))
+        temp = self._optimizer_temp(s, i, j)
+        if b.fsdp:  # the whole gradients and the reduce-scatter's output; then shards only
+            dp = b.layout.dp
+            moments.append((all_grads * (1 + 1 / dp), recv, "rs"))
+            return [*moments, (all_grads / dp, recv + temp / dp, "step")]
+        sent = b.stepped(s, i, j) * b.weights_b if b.sharded else 0.0  # ZeRO-1's flat send
+        return [*moments, (all_grads, recv + max(temp, sent), "step")]
 
-    def _state(self, s: int, i: int, j: int) -> tuple[dict[str, float], float]:
-        """The optimizer state, tied copies' and DDP's buckets' bytes of blocks [i, j)
-        (as ``MemoryBreakdown``'s fields), and the weights' send buffer.
+    def _held(self, s: int, i: int, j: int) -> dict[str, dict[str, float]]:
+        """Per moment (:meth:`_moments`' when), the weights, optimizer state, tied copies'
+        and DDP's buckets' bytes of blocks [i, j), as ``MemoryBreakdown``'s fields.
 
         With ZeRO-1 a replica holds the state of its share only, tied copies'
-        included, and sends its share's weights in one flat buffer after the
-        step ([Note: ZeRO-1 shares]); with DDP it holds all, and sends nothing.
+        included ([Note: ZeRO-1 shares]); with DDP it holds all. With FSDP a shard
+        of every weight, gradient and state, and from the first forward to the last
+        backward the weights whole as well; tied copies alike ([Note: FSDP as it
+        runs]). No buckets with FSDP, nor with one replica.
         """
         b = self.b
         n, tied = b.parameters(s, i, j), b.tied_copy_bytes(i, j) / b.param_elem
+        if b.fsdp:
+            dp, w, g, o = b.layout.dp, b.weights_b, b.grads_b, b.optim_b
+            whole = w * (1 + 1 / dp) + b.cast_b  # gathered, beside the shard, and cast
+            kept = {"optimizer": n * o / dp, "comm_buffers": 0.0}
+            rs_g = g * (1 + 1 / dp)  # the whole gradients and the reduce-scatter's output
+            return {
+                "bwd": kept | {"params": n * whole, "tied_copies": tied * (whole + g + o / dp)},
+                "rs": kept | {"params": n * whole, "tied_copies": tied * (whole + rs_g + o / dp)},
+                "step": kept | {"params": n * w / dp, "tied_copies": tied * (w + g + o) / dp},
+            }
         copies = tied * (b.weights_b + b.cast_b + b.grads_b)
+        state = b.stepped(s, i, j) * b.optim_b  # ZeRO-1: the share's, tied copies' included
+        if not b.sharded:
+            state, copies = n * b.optim_b, copies + tied * b.optim_b
         buckets = (n + tied) * b.grads_b if b.layout.dp > 1 else 0.0
-        if b.sharded:
-            share = b.stepped(s, i, j)
-            kinds = {"optimizer": share * b.optim_b, "tied_copies": copies}
-            return kinds | {"comm_buffers": buckets}, share * b.weights_b
-        kinds = {"optimizer": n * b.optim_b, "tied_copies": copies + tied * b.optim_b}
-        return kinds | {"comm_buffers": buckets}, 0.0
+        kinds: dict[str, float] = {"params": n * (b.weights_b + b.cast_b), "optimizer": state}
+        kinds |= {"tied_copies": copies, "comm_buffers": buckets}
+        return dict.fromkeys(("bwd", "step"), kinds)
 
     def floor(self, s: int, i: int, j: int) -> float:
         """Bytes stage s holds at its peak whatever else, non-decreasing in j: the weights
-        (and their bf16 copy), optimizer state (with ZeRO-1 at least 1/dp of it), buffers
-        and DDP's buckets of blocks [i, j), and the larger of all their gradients (the
-        optimizer step) and what the first backward holds at its worst block k (the
+        (and their bf16 copy; with FSDP gathered beside the shard), optimizer state (with
+        ZeRO-1 at least 1/dp of it, with FSDP 1/dp), buffers and DDP's buckets of blocks
+        [i, j), and the larger of all their gradients (the optimizer step; FSDP's
+        reduce-scatter) and what the first backward holds at its worst block k (the
         gradients of the blocks after k, the activations of the blocks up to k:
         recomputed or not, one micro-batch's)."""
         b = self.b
         tab = b.table(s)
-        n_params = b.parameters(s, i, j)
-        optim_b = b.optim_b / b.layout.dp if b.sharded else b.optim_b  # a share holds ≥ n / dp
-        per = b.weights_b + b.cast_b + optim_b + (b.grads_b if b.layout.dp > 1 else 0)
+        n_params, dp = b.parameters(s, i, j), b.layout.dp
+        optim_b = b.optim_b / dp if b.sharded or b.fsdp else b.optim_b  # a share holds ≥ n / dp
+        if b.fsdp:
+            per = b.weights_b * (1 + 1 / dp) + b.cast_b + optim_b
+        else:
+            per = b.weights_b + b.cast_b + optim_b + (b.grads_b if dp > 1 else 0)
         first = tab.grads[j] - tab.act[i] + tab.backward_curve(i, j)[0]
         held = max(n_params * b.grads_b, first)
         return n_params * per + tab.buffers[j] - tab.buffers[i] + held

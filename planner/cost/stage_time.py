@@ -27,7 +27,10 @@ replicas, ``m`` micro-batches of ``b = B / (dp·m)`` samples):
   weights, gradients and optimizer state at the device's memory bandwidth, on
   CPUs per tensor ([Note: the CPU optimizer step]); with ZeRO-1 over a replica's
   share of the parameters only, followed by the **weights' broadcasts** from
-  each replica to the others ([Note: ZeRO-1 shares] in :mod:`planner.cost.basis`).
+  each replica to the others ([Note: ZeRO-1 shares] in :mod:`planner.cost.basis`);
+  with FSDP over a replica's shard, and no all-reduce: the weights' **all-gather**
+  and the gradients' **reduce-scatter**, both in the tail ([Note: FSDP as it runs] in
+  :mod:`planner.cost.basis`).
 
 Pure: no torch. Times in milliseconds.
 """
@@ -250,13 +253,13 @@ class StageTime:
         b = self.b
         tab = b.table(s)
         copies = b.tied_copy_bytes(i, j) / b.param_elem
-        n_params = b.stepped(s, i, j)  # with ZeRO-1, a replica's share: [Note: ZeRO-1 shares]
+        n_params = b.stepped(s, i, j)  # ZeRO-1's share, FSDP's shard: [Note: ZeRO-1 shares]
         cpu = b.cluster.backend == "gloo"
         if cpu:
             ops, per_param = _CPU_STEP[b.training.optimizer]
             moved = n_params * per_param
             tensors = tab.tensors[j] - tab.tensors[i] + (1 if copies else 0)
-            if b.sharded:  # whole tensors to each replica: at most ⌈tensors / dp⌉ each
+            if b.sharded:  # ZeRO-1: whole tensors, at most ⌈tensors / dp⌉ each (FSDP: all)
                 tensors = math.ceil(tensors / b.layout.dp)
         else:
             moved = n_params * (2 * (b.weights_b + b.optim_b) + b.grads_b)
@@ -270,9 +273,10 @@ class StageTime:
 
     def reduce_ms(self, s: int, i: int, j: int) -> float:
         """DDP's all-reduce of stage s's gradients across its replicas (tied copies
-        included), in ms; it runs inside the stage's last backward."""
+        included), in ms; it runs inside the stage's last backward. 0 with FSDP
+        (its reduce-scatter: :meth:`fsdp_ms`)."""
         b = self.b
-        if b.layout.dp == 1:
+        if b.layout.dp == 1 or b.fsdp:
             return 0.0
         n_params = b.parameters(s, i, j) + b.tied_copy_bytes(i, j) / b.param_elem
         t = b.cluster.allreduce_time(b.layout.ranks[s], n_params * b.wire_b)
@@ -325,15 +329,38 @@ class StageTime:
         t = dp * (one + self.wakeup_s)
         return t * 1e3 * self.comm_scale * self.calibration.allreduce_scale
 
+    def fsdp_ms(self, s: int, i: int, j: int) -> tuple[float, float]:
+        """With FSDP, (the weights' all-gather, the gradients' reduce-scatter) of stage s
+        over its replicas (ms; tied copies included); (0, 0) otherwise.
+
+        Each runs on the ring the replicas all-reduce on and takes half of a ring
+        all-reduce of its bytes (:meth:`Cluster.allreduce_time`; n − 1 messages of
+        its 2(n − 1)): the weights in their own dtype
+        (``weights_b``: the runtime gathers the fp32 master copy), the gradients as
+        DDP's all-reduce sends them (``wire_b``: bf16 under bf16-mixed). Neither
+        overlaps compute; both are priced in the stage's tail ([Note: FSDP as it
+        runs] in :mod:`planner.cost.basis`).
+        """
+        b = self.b
+        if not b.fsdp:
+            return 0.0, 0.0
+        n_params = b.parameters(s, i, j) + b.tied_copy_bytes(i, j) / b.param_elem
+        ranks, wait = b.layout.ranks[s], (b.layout.dp - 1) * self.wakeup_s
+        scale = 1e3 * self.comm_scale * self.calibration.allreduce_scale
+        gather = b.cluster.allreduce_time(ranks, n_params * b.weights_b) / 2 + wait
+        scatter = b.cluster.allreduce_time(ranks, n_params * b.wire_b) / 2 + wait
+        return gather * scale, scatter * scale
+
     def sync(self, s: int, i: int, j: int) -> float:
         """The step's tail on stage s (ms): DDP's gradient all-reduce, the tied
-        weights' exchange ([Note: tied copies]), the optimizer step, and with ZeRO-1
-        the weights' broadcasts."""
+        weights' exchange ([Note: tied copies]), the optimizer step, with ZeRO-1
+        the weights' broadcasts, with FSDP its all-gather and reduce-scatter."""
         return (
             self.reduce_ms(s, i, j)
             + self.tied_ms(s, i, j)
             + self.optimizer_ms(s, i, j)
             + self.gather_ms(s, i, j)
+            + sum(self.fsdp_ms(s, i, j))
         )
 
     def joined(self, bounds: Sequence[int]) -> list[list[int]]:

@@ -49,7 +49,7 @@ from planner.plan.formats import PLAN_VERSION, upgrade
 from planner.plan.records import ModelProfile
 from planner.plan.schedule import schedule_problem, stage_ranks
 from planner.plan.sections import (
-    DP_MODES,
+    DP_MODE_NAMES,
     Candidate,
     ClusterRecord,
     LayoutPlan,
@@ -108,7 +108,7 @@ class Plan:
         return self.layout.virtual
 
     @property
-    def dp_mode(self) -> str:  # "ddp" or "zero1": planner.plan.sections.DP_MODES
+    def dp_mode(self) -> str:  # "ddp", "zero1" or "fsdp": planner.plan.sections.DP_MODES
         return self.layout.dp_mode
 
     @property
@@ -206,10 +206,10 @@ def check_consistent(plan: Plan, path: str) -> None:
     problem = schedule_problem(plan.schedule, plan.pp, plan.micro_batches, plan.virtual)
     if problem is not None and plan.virtual > 1:
         raise err(f"training.schedule: {problem[0]}; fix: {problem[1]}")
-    if plan.dp_mode not in DP_MODES or (plan.dp_mode == "zero1" and plan.dp == 1):
+    if plan.dp_mode not in DP_MODE_NAMES or (plan.dp_mode != "ddp" and plan.dp == 1):
         raise err(
             f"layout.dp_mode {plan.dp_mode!r} with layout.dp {plan.dp}: choose one of "
-            f"{', '.join(DP_MODES)}; zero1 shares the optimizer state among replicas (dp ≥ 2)"
+            f"{', '.join(DP_MODE_NAMES)}; zero1 and fsdp shard state among replicas (dp ≥ 2)"
         )
     tr = plan.training
     small = [
@@ -388,7 +388,7 @@ def _check_step(step: StepInputs, plan: Plan, err: Callable[[str], PlanError]) -
 def plan_summary(plan: Plan) -> str:
     """One line: 'pp 2 × dp 4, 8 micro-batches (gpipe), 123.4 ms/step'."""
     sched = plan.schedule + (f", {plan.virtual} stages per rank" if plan.virtual > 1 else "")
-    mode = " (ZeRO-1)" if plan.dp_mode == "zero1" else ""
+    mode = f" ({DP_MODE_NAMES[plan.dp_mode]})" if plan.dp_mode != "ddp" else ""
     return (
         f"pp {plan.pp} × dp {plan.dp}{mode}, {plan.micro_batches} micro-batches ({sched}), "
         f"{plan.predicted.step_ms:.1f} ms/step"

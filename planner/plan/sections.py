@@ -20,6 +20,7 @@ from planner.plan.codec import FIGURE, SAVED_NOT, Record
 
 __all__ = [
     "DP_MODES",
+    "DP_MODE_NAMES",
     "Candidate",
     "ClusterRecord",
     "DeviceGroup",
@@ -142,10 +143,15 @@ class TrainingPlan(Record):
     schedule: str
 
 
-DP_MODES = ("ddp", "zero1")
+DP_MODES = ("ddp", "zero1", "fsdp")
 """How data-parallel replicas hold the optimizer state: each all of it (DDP), or each a
 share of the parameters' state, its weights sent to the others after the step (ZeRO-1:
-[Note: ZeRO-1 shares] in planner.cost.basis)."""
+[Note: ZeRO-1 shares] in planner.cost.basis), or each a shard of every parameter, its
+gradient and its state, the weights gathered for the step's forwards and backwards (FSDP:
+[Note: FSDP as it runs] in planner.cost.basis). zero1 and fsdp need dp ≥ 2."""
+
+DP_MODE_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "fsdp": "FSDP"}
+"""Each of ``DP_MODES`` as people write it (reports, messages)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,8 +162,9 @@ class LayoutPlan(Record):
     stages each of them runs (1 unless the schedule is a multi-stage one:
     ``planner.plan.schedule``), so a replica has pp · virtual stages; stage i
     runs on pipeline rank ``stage_ranks(schedule, pp, virtual)[i]``. ``dp_mode``:
-    how the replicas hold the optimizer state, "ddp" (each all of it) or "zero1"
-    (each a share, ``planner.options.DP_MODES``); files without it read as "ddp".
+    how the replicas hold the optimizer state, "ddp" (each all of it), "zero1"
+    (each a share) or "fsdp" (each a shard of the parameters, gradients and state:
+    ``planner.options.DP_MODES``); files without it read as "ddp".
     """
 
     pp: int
@@ -247,7 +254,7 @@ class StepInputs(Record):
             activations / gradients.
         reduce_ms: DDP's gradient all-reduce inside the stage's last backward.
         tail_ms: after the last backward: the tied weights' exchange and the
-            optimizer step.
+            optimizer step (with FSDP also its gather and reduce-scatter).
         speed: ``speed[k − 1]``, the rate of each computing stage while k
             stages compute at once (1.0: as fast as alone).
         join: groups of stages whose tails start together (they all-reduce

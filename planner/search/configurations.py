@@ -212,11 +212,12 @@ def _widths(
     """The data-parallel widths for pipeline depth ``pp`` (with the rejections said why):
     dp = devices / pp, or with ``fewer`` every dp with pp · dp ≤ devices."""
     got = _widths_of(pp, n_dev, batch, options, rejected, fewer)
-    if options.dp_mode != "zero1" or 1 not in got:
+    if options.dp_mode in ("ddp", "auto") or 1 not in got:
         return got
     rejected.append(
         (
-            f"pp {pp} × dp 1: no replicas to share the optimizer state among (--dp-mode zero1)",
+            f"pp {pp} × dp 1: no replicas to share the optimizer state among "
+            f"(--dp-mode {options.dp_mode} needs dp ≥ 2)",
             "--dp-mode ddp or auto, or a dp ≥ 2",
         )
     )
@@ -306,8 +307,10 @@ def bounded(
 
     ``dp_modes``: each configuration with dp ≥ 2 is tried in each of these
     (``SearchOptions.dp_modes``); one with dp 1 has no replicas, and runs DDP's
-    way. The bounds hold for every mode: they price forwards, backwards and the
-    gradients' all-reduce, which ZeRO-1 leaves as they are.
+    way. The bounds price forwards, backwards and the gradients' all-reduce, which
+    ZeRO-1 leaves as they are; FSDP has no all-reduce in the last backwards (its
+    reduce-scatters are in the stages' tails, which overlap: [Note: FSDP as it
+    runs]), so its configurations are bounded by the work alone.
 
     On a local CPU cluster each is tried with every count of :func:`thread_counts`
     that ``threads_for`` can give (only the cluster's own without it), on its first
@@ -344,8 +347,11 @@ def bounded(
                     reduces = allreduce_floor(used.allreduce_time, grid, wire)
                     lb = max(lb, reduce_chain_bound(total, last, m, reduces))
                 for mode in dp_modes if dp > 1 else ("ddp",):
+                    low = bound if mode == "fsdp" else lb
                     out.append(
-                        Config(lb, pp, dp, m, sched, t, name + label, grid, used, prof_for, v, mode)
+                        Config(
+                            low, pp, dp, m, sched, t, name + label, grid, used, prof_for, v, mode
+                        )
                     )
     out.sort()
     return out

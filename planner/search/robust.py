@@ -42,6 +42,7 @@ from planner.cost.model import Prediction
 from planner.options import SearchOptions
 from planner.plan.choice import ChoiceRecord, FastestRecord
 from planner.plan.schedule import SCHEDULES
+from planner.plan.sections import DP_MODE_NAMES
 from planner.solve.step_problem import StepSolution
 
 __all__ = [
@@ -59,6 +60,17 @@ __all__ = [
 
 PINS = ("pp", "dp", "micro_batches", "schedule", "virtual")
 """The configuration's parts a user can pin (``SearchOptions`` fields of these names)."""
+
+
+_DP_STURDINESS = ("ddp", "zero1", "fsdp")
+"""The dp modes, sturdiest first. DDP: every replica holds and steps everything, one
+all-reduce inside the last backward, nothing else to exchange. ZeRO-1 then: the same
+gradients and whole weights on every replica (its checkpoints load into its DDP twin), one
+more exchange after the step, the weights' broadcast. FSDP last: the weights are whole
+only from the stage's first forward to its last backward, two collectives a step priced
+with an approximation (its all-gather in the tail: [Note: FSDP as it runs] in
+planner.cost.basis), and its memory rests on torch's FSDP hooks freeing the whole
+weights and gradients where priced."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,11 +102,12 @@ class Sturdiness:
 
     def key(self) -> tuple[object, ...]:
         """The sturdiest first: fewer devices per pipeline, fewer stages on each (v), DDP
-        before ZeRO-1 (no weights to send), less overhead, more headroom, faster."""
+        before ZeRO-1 before FSDP (``_DP_STURDINESS``), less overhead, more headroom,
+        faster."""
         return (
             self.pp,
             self.virtual,
-            self.dp_mode != "ddp",
+            _DP_STURDINESS.index(self.dp_mode),
             round(self.overhead, 2),
             -round(self.headroom, 2),
             self.step_ms,
@@ -106,7 +119,7 @@ class Sturdiness:
     def name(self) -> str:
         """ "pp 2 × dp 8, m 64, 1f1b" """
         v = f" v {self.virtual}" if self.virtual > 1 else ""
-        v += ", ZeRO-1" if self.dp_mode == "zero1" else ""
+        v += f", {DP_MODE_NAMES[self.dp_mode]}" if self.dp_mode != "ddp" else ""
         return f"pp {self.pp} × dp {self.dp}, m {self.micro_batches}, {self.schedule}{v}"
 
 

@@ -58,6 +58,7 @@ from planner.plan.files import atomic_write
 from planner.plan.schema import Plan
 from runtime.checkpoint.files import MAX_MARKER_BYTES, Malformed, Missing, regular_file_in
 from runtime.checkpoint.safeload import METADATA
+from runtime.fsdp import local
 from runtime.stage import rank_module
 
 if TYPE_CHECKING:
@@ -283,7 +284,7 @@ def _nonfinite(value: Any) -> bool:
     return (
         isinstance(value, torch.Tensor)
         and value.is_floating_point()
-        and not bool(torch.isfinite(value).all())
+        and not bool(torch.isfinite(local(value)).all())  # FSDP: this rank's shard
     )
 
 

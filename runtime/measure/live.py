@@ -33,10 +33,17 @@ bytes are counted here, storage by storage:
   so far needs the exact total (:meth:`LiveTensors.reconcile`, one
   ``expired()`` per tracked storage). The peak is exact at op granularity.
 
+A ``DTensor`` (FSDP's parameters, gradients and optimizer state) counts by its
+local tensor: the wrapper's own storage is a placeholder.
+
+* resized in place (``storage.resize_``, as FSDP frees and re-allocates its
+  gathered weights, unseen by the mode): a tracked storage's size is read
+  again when an in-place or ``out=`` op writes it (what follows a resize up)
+  and at every exact total (a resize down).
+
 Not counted: temporaries an operator allocates and frees inside itself
-(never returned), what other threads allocate (gloo's send and receive work
-in place), and a tracked storage resized in place by a view or in-place op
-(``resize_``). Cost, measured on a loaded 2-core machine (single thread):
+(never returned), and what other threads allocate (gloo's send and receive
+work in place). Cost, measured on a loaded 2-core machine (single thread):
 one Python call per operator plus a reconcile per new peak: +2 % on
 examples/mlp.py's step (42 ms; 8 reconciles a step), within the noise on a
 2-layer examples/gpt.py step (0.7 s); worst case, a tiny op that makes a new
@@ -50,6 +57,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -88,6 +96,8 @@ class LiveTensors(TorchDispatchMode):
             self._track(storage)
 
     def _storage(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
+        if isinstance(tensor, DTensor):  # FSDP's shards: the wrapper's storage holds no bytes
+            tensor = tensor._local_tensor
         plain = type(tensor) in _PLAIN and (tensor.is_cpu if self.cpu else tensor.is_cuda)
         # else a subclass (a fake tensor's storage is on "meta"), or another device
         if not plain and (tensor.device.type != self.device_type or tensor.is_meta):
@@ -110,10 +120,8 @@ class LiveTensors(TorchDispatchMode):
             if known[1] == nbytes:
                 return
             self.bound += nbytes - known[1]  # resized in place since it was tracked
-        elif nbytes:
+        else:  # an empty one too: FSDP resizes its buffers in place, up and down
             self.bound += nbytes
-        else:
-            return
         self._storages[key] = (StorageWeakRef(storage), nbytes)
         if self.bound > self.peak:
             self.reconcile()
@@ -144,8 +152,11 @@ class LiveTensors(TorchDispatchMode):
         for key, (ref, nbytes) in self._storages.items():
             if ref.expired():
                 dead.append(key)
-            else:
-                total += nbytes
+                continue
+            now = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()  # resized?
+            if now != nbytes:
+                self._storages[key] = (ref, now)
+            total += now
         for key in dead:
             del self._storages[key]
         self.bound = total
@@ -179,7 +190,11 @@ class LiveTensors(TorchDispatchMode):
         if kind is None:
             kind = self._ops[func] = _kind(func)
         fresh, trusted = kind
-        if not fresh:  # views and in-place results: their inputs' storages
+        if not fresh:  # views and in-place results: their inputs' storages, perhaps
+            for t in _tensors(out):  # resized in place since (FSDP's gathered weights)
+                storage = self._storage(t)
+                if storage is not None and storage._cdata in self._storages:
+                    self._track(storage)
             return out
         inputs: set[int] | None = None
         for t in _tensors(out):

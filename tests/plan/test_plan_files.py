@@ -59,6 +59,12 @@ def _edited(plan: Plan, tmp_path: Path, edit) -> Path:
         (lambda d: d["stages"][1].update(ranks=d["stages"][0]["ranks"]), "ranks reuses rank(s)"),
         (lambda d: d.update(colour="blue"), "unknown key(s) colour"),
         (lambda d: d["stages"][0].update(recompute=1), "recompute: expected true/false"),
+        (
+            lambda d: d["layout"].update(dp=1, dp_mode="fsdp"),
+            "layout.dp_mode 'fsdp' with layout.dp 1: choose one of ddp, zero1, fsdp; zero1 "
+            "and fsdp shard state among replicas (dp ≥ 2)",
+        ),
+        (lambda d: d["layout"].update(dp_mode="zero3"), "layout.dp_mode 'zero3' with"),
     ],
 )
 def test_malformed_plans_name_the_key_path(plan, tmp_path, edit, message) -> None:
@@ -116,6 +122,22 @@ def test_the_plan_keeps_the_inputs_of_its_predicted_step(plan: Plan, tmp_path: P
     assert replay(plan.step).step_ms == plan.predicted.step_ms  # bit for bit
     again = load_plan(save_plan(plan, tmp_path / "plan.yaml"))
     assert again.step == plan.step and replay(again.step).step_ms == plan.predicted.step_ms
+
+
+def test_an_fsdp_plan_round_trips_and_reprices_as_fsdp(tmp_path: Path) -> None:
+    from planner.calibrate.priced import plan_cost_model
+    from planner.plan.schema import plan_summary
+
+    plan = tower_plan(pp=2, dp=2, dp_mode="fsdp", calibration=False)
+    assert plan.dp_mode == "fsdp" and "dp 2 (FSDP)" in plan_summary(plan)
+    path = save_plan(plan, tmp_path / "plan.yaml")
+    assert "dp_mode: fsdp" in path.read_text()
+    again = load_plan(path)
+    assert again.to_dict() == plan.to_dict() and again.dp_mode == "fsdp"
+    cost = plan_cost_model(again)  # the plan's layout, its dp mode with it
+    assert cost.layout.dp_mode == "fsdp"
+    starts = tuple(st.blocks[0] for st in again.stages)
+    assert cost.predict(starts).step_ms == pytest.approx(again.predicted.step_ms)
 
 
 def test_the_plan_file_holds_no_wall_clock_time(plan: Plan, tmp_path: Path) -> None:

@@ -178,6 +178,15 @@ def test_print_plan_shows_stages_solver_candidates_and_warnings():
     assert "over capacity" not in text
 
 
+def test_print_plan_names_the_dp_mode():
+    plan = _plan(layout=LayoutPlan(pp=2, dp=2, dp_mode="fsdp"))
+    fsdp = tuple(replace(c, dp_mode="fsdp") if c.dp > 1 else c for c in plan.candidates)
+    text = _text(replace(plan, candidates=fsdp))
+    assert "pp 2 × dp 2 = 4 devices, FSDP (each replica holds a shard of every weight" in text
+    assert "2 FSDP" in text and "ZeRO-1" not in text
+    assert "FSDP" not in _text(_plan())  # DDP: no word for it
+
+
 def test_print_plan_flags_a_stage_over_capacity():
     plan = _plan()
     big = replace(plan.stages[1], memory=_memory(10.0, 60.0))  # 110 GiB on a 79.6 GiB device

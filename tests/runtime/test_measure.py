@@ -302,3 +302,43 @@ def test_planner_run_reports_each_stages_peak_near_the_plans(tmp_path: Path) -> 
         assert predicted == pytest.approx(st.memory.total / MIB, abs=0.05)
         assert measured == pytest.approx(predicted, rel=PLAN_TOLERANCE), row
     assert f"memory measured as: {CPU_METHOD}" in out, out
+
+
+def test_a_storage_resized_in_place_counts_at_its_size() -> None:
+    """FSDP frees and re-allocates its gathered weights by ``storage.resize_``, which no
+    dispatch mode sees: the size is read again at every exact total (a resize down) and
+    when an op writes the storage (what follows a resize up)."""
+    n = 1 << 20  # 4 MiB of float32
+    live = LiveTensors(CPU)
+    with live:
+        freed = torch.empty(n)
+        empty = torch.empty(0)
+    freed.untyped_storage().resize_(0)  # as fsdp's free_storage
+    base = live.reset_peak()
+    with live:
+        for buf in (freed, empty):
+            buf.untyped_storage().resize_(4 * n)  # as fsdp's alloc_storage
+            buf.set_(buf.untyped_storage(), 0, (n,)).fill_(1.0)
+        other = torch.ones(n)
+    assert live.peak - base == 3 * 4 * n, (live.peak - base) / MIB
+    del freed, empty, other
+
+
+def _dtensor_bytes() -> tuple[int, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2,))  # each rank's local tensor: half the DTensor
+    live = LiveTensors(CPU)
+    base = live.reset_peak()
+    with live:
+        shard = DTensor.from_local(torch.ones(1 << 18), mesh, [Shard(0)])
+        doubled = shard * 2  # a DTensor born inside: its local tensor counts
+    return live.peak - base, doubled.to_local().numel() * 4 + shard.to_local().numel() * 4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_dtensor_counts_by_its_local_tensor() -> None:
+    for got, want in run_world(_dtensor_bytes, 2, timeout_s=90):
+        assert got == want, (got, want)

@@ -2,9 +2,9 @@
 
 The runtime gives whole tensors to replicas (planner.plan.shares.owners); the cost
 model prices a replica's share by the bound that assignment guarantees
-([Note: ZeRO-1 shares] in planner.cost.basis); the search tries both modes
-with ``--dp-mode auto`` and picks ZeRO-1 where DDP's whole optimizer state
-does not fit.
+([Note: ZeRO-1 shares] in planner.cost.basis); the search tries every mode
+with ``--dp-mode auto`` (FSDP too: tests/search/test_fsdp_mode.py) and picks a
+sharded one where DDP's whole optimizer state does not fit.
 """
 
 from __future__ import annotations
@@ -105,14 +105,19 @@ def _search(options: SearchOptions):  # type: ignore[no-untyped-def]
     )
 
 
-def test_auto_searches_both_modes_and_takes_zero1_where_ddp_does_not_fit() -> None:
+def test_auto_searches_every_mode_and_takes_a_sharded_one_where_ddp_does_not_fit() -> None:
     pinned = {"pp": 1, "dp": 8, "micro_batches": 1}
     with pytest.raises(ValueError, match="no configuration fits") as err:
         _search(SearchOptions(**pinned))
     assert "--dp-mode auto (ZeRO-1" in str(err.value)
+    zero = _search(SearchOptions(**pinned, dp_mode="zero1"))
+    assert zero.layout.dp_mode == "zero1" and zero.prediction.fits
     res = _search(SearchOptions(**pinned, dp_mode="auto"))
-    assert res.layout.dp_mode == "zero1" and res.prediction.fits
     modes = {c.dp_mode for c in res.candidates}
-    assert modes == {"ddp", "zero1"}
+    assert modes == {"ddp", "zero1", "fsdp"}
+    # FSDP fits too and moves fewer bytes (a gather and a scatter, no broadcasts after
+    # the step): faster by more than the robust band, so it is chosen over ZeRO-1.
+    assert res.layout.dp_mode == "fsdp" and res.prediction.fits
+    assert res.prediction.step_ms * 1.08 < zero.prediction.step_ms
     chosen = [c for c in res.candidates if c.status == "chosen"]
-    assert chosen[0].dp_mode == "zero1"
+    assert chosen[0].dp_mode == "fsdp"

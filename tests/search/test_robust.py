@@ -76,6 +76,18 @@ def test_ties_break_by_stages_then_overhead_then_headroom_then_step() -> None:
     assert choose([twin, fast], opts).chosen == 1
 
 
+def test_within_the_band_ddp_then_zero1_then_fsdp() -> None:
+    auto = SearchOptions(dp_mode="auto")
+    fsdp = _s(2, 4, 100.0, dp_mode="fsdp")
+    zero1 = _s(2, 4, 104.0, dp_mode="zero1", headroom=0.1)
+    ddp = _s(2, 4, 107.0, dp_mode="ddp", headroom=0.05)
+    assert choose([fsdp, zero1, ddp], auto).chosen == 2
+    assert choose([fsdp, zero1], auto).chosen == 1
+    assert fsdp.name() == "pp 2 × dp 4, m 8, 1f1b, FSDP"
+    # A pinned mode keeps to it: the others are never chosen.
+    assert choose([fsdp, zero1, ddp], SearchOptions(dp_mode="fsdp")).chosen == 0
+
+
 def test_a_configuration_stands_for_its_fastest_layout() -> None:
     """Two layouts of one configuration: the slower one's headroom does not make it win."""
     fast = _s(2, 4, 100.0, overhead=0.2, headroom=0.1)
