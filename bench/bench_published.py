@@ -4,12 +4,14 @@ Three rows, none needing a GPU:
 
 1. **torchtitan, Llama 3 8B on 8 × H100** (FSDP, bf16, local batch 2, sequence
    8192, selective activation checkpointing): 5 762 tokens/s/GPU. The planner
-   cannot express FSDP (the parameters, gradients and optimizer state sharded
-   over the 8 replicas, gathered per layer): it replicates them with DDP or
-   splits them over pipeline stages. So the row is planned the ways it can
-   be, from shapes alone (the model built on the meta device): the layout the
-   search picks over 8 H100s, and pp 1 × dp 8 (DDP, torchtitan's data-parallel
-   width) pinned, which must not fit: its memory is the term FSDP removes.
+   cannot express torchtitan's FSDP (the parameters, gradients and optimizer
+   state sharded over the 8 replicas, gathered and freed layer by layer): its
+   FSDP makes each pipeline stage one unit, whose weights and gradients are
+   whole from the stage's first forward to its last backward. So the row is
+   planned the ways it can be, from shapes alone (the model built on the meta
+   device): the layout the search picks over 8 H100s, and pp 1 × dp 8
+   (torchtitan's data-parallel width) pinned with DDP and with FSDP, which
+   must not fit: their memory is the term per-layer FSDP removes.
 2. **The zero-bubble paper's 1F1B bubble** (1.5 B, p = 8, m = 24): 0.2431
    measured, 0.2258 = (p − 1) / (m + p − 1) ideal. The schedule simulator's
    bubble on 8 equal stages without transfer time (backward twice the forward,
@@ -148,9 +150,9 @@ def schedule_gain_rows(link_share: float) -> list[dict[str, Any]]:
     return rows
 
 
-def torchtitan_rows(pins: list[int | None]) -> list[dict[str, Any]]:
-    """Llama 3 8B planned on 8 H100s from shapes: per ``pins`` entry, the search's choice
-    (None) or that pipeline depth pinned."""
+def torchtitan_rows(pins: list[tuple[int | None, str]]) -> list[dict[str, Any]]:
+    """Llama 3 8B planned on 8 H100s from shapes: per ``pins`` entry (pipeline depth, dp
+    mode), the search's choice (depth None) or that depth pinned, in that dp mode."""
     from planner.devices import from_gpus
     from planner.options import ProfileOptions, SearchOptions, Training
     from planner.planning import PlanOptions, plan_model
@@ -166,13 +168,13 @@ def torchtitan_rows(pins: list[int | None]) -> list[dict[str, Any]]:
         return (ids,), {}, targets
 
     rows = []
-    for pp in pins:
+    for pp, dp_mode in pins:
         options = PlanOptions(
             training=Training(global_batch=global_batch, precision="bf16-mixed"),
-            search=SearchOptions(pp=pp, time_limit_s=60),
+            search=SearchOptions(pp=pp, time_limit_s=60, dp_mode=dp_mode),
             profile=ProfileOptions(),
         )
-        row: dict[str, Any] = {"pinned": f"pp {pp}" if pp else "—"}
+        row: dict[str, Any] = {"pinned": (f"pp {pp}, " if pp else "") + dp_mode}
         t0 = time.perf_counter()
         try:
             plan = plan_model(
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in gains
         ],
     )  # fmt: skip
-    titan = [] if ns.quick else torchtitan_rows([None, 1])
+    titan = [] if ns.quick else torchtitan_rows([(None, "ddp"), (1, "ddp"), (1, "fsdp")])
     if titan:
         table(
             f"Llama 3 8B on 8 × H100, global batch 16 × 8192 tokens (published: "

@@ -9,14 +9,16 @@ rank's action order as torch runs it):
   1, the planner's default), robust band 0: its fastest predicted step;
 * **schedules**: the same search with Interleaved 1F1B and Looped BFS at
   v = 2 … ``--max-virtual`` stages per rank added, robust band 0; with
-  ``--dp-mode auto`` each configuration with dp ≥ 2 also with ZeRO-1;
+  ``--dp-mode auto`` each configuration with dp ≥ 2 also with ZeRO-1 and FSDP;
 * **torchtitan**: its default pipeline, set by hand the way its config does:
   the chain's blocks split evenly over pp · 2 stages (its even split of
   layers: the examples' chains are about a block per layer; the Llama chains
   about four per layer, so there it is an even split of blocks, not of layers,
   and the embedding and head are not weighted as torchtitan weights them),
-  Interleaved 1F1B with 2 stages per rank, micro-batches = pp, DDP over the
-  rest of the devices; every pp ≥ 2
+  Interleaved 1F1B with 2 stages per rank, micro-batches = pp, FSDP over the
+  rest of the devices (its ``data_parallel_shard_degree`` −1, with
+  ``reshard_after_forward`` off under pipelining: the planner's ``fsdp``
+  dp mode, one unit per stage); every pp ≥ 2
   that the cluster and batch allow is priced and the fastest that fits kept (a
   user choosing pp by hand), and also the pp the schedules' search chose.
 
@@ -52,6 +54,7 @@ __all__ = [
     "LLAMA_BATCH_PER_DEVICE",
     "OUT",
     "ROWS",
+    "TITAN_DP",
     "TITAN_V",
     "Row",
     "Workload",
@@ -65,6 +68,7 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "schedules.json"
 TITAN_V = 2  # torchtitan's Interleaved 1F1B default: 2 stages per rank
+TITAN_DP = "fsdp"  # its data parallelism by default: FSDP (data_parallel_shard_degree -1)
 
 
 @dataclass(frozen=True)
@@ -215,7 +219,7 @@ def titan_default(
         for how, grid in layouts(cluster, pp, dp):
             ranks = tuple(grid[k] for k in stage_ranks(sched, pp, TITAN_V))
             lay = Layout(pp=pp, dp=dp, micro_batches=pp, schedule=sched, ranks=ranks,
-                         virtual=TITAN_V)  # fmt: skip
+                         virtual=TITAN_V, dp_mode=TITAN_DP if dp > 1 else "ddp")  # fmt: skip
             pred = cost_model(lay).predict(starts)
             now = out.get(pp)
             key = (not pred.fits, pred.step_ms)

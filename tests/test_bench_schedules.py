@@ -40,6 +40,7 @@ def test_torchtitans_default_is_its_even_interleaved_split_at_m_equal_pp() -> No
     for lay, starts in seen:
         assert lay.schedule == "interleaved-1f1b" and lay.virtual == 2
         assert lay.micro_batches == lay.pp and lay.dp == 8 // lay.pp
+        assert lay.dp_mode == "fsdp"  # torchtitan's data parallelism: FSDP over the replicas
         assert len(starts) == 2 * lay.pp  # 12 blocks evenly: 6 or 3 per stage
         sizes = [b - a for a, b in zip(starts, [*starts[1:], 12], strict=True)]
         assert max(sizes) - min(sizes) <= 1
@@ -60,6 +61,8 @@ def test_config_text_names_the_stages_per_rank_only_when_several() -> None:
     assert config_text(looped) == "pp 2 × dp 2, m 8, looped-bfs, v 2"
     zero1 = Layout(pp=2, dp=2, micro_batches=8, schedule="1f1b", ranks=ranks, dp_mode="zero1")
     assert config_text(zero1) == "pp 2 × dp 2, m 8, 1f1b, ZeRO-1"
+    fsdp = Layout(pp=2, dp=2, micro_batches=8, schedule="1f1b", ranks=ranks, dp_mode="fsdp")
+    assert config_text(fsdp) == "pp 2 × dp 2, m 8, 1f1b, FSDP"
 
 
 def _row(name: str, one: float, titan: float | None, pp: int, v: int = 1) -> dict[str, Any]:

@@ -87,6 +87,13 @@ CPU_OVERSUBSCRIBED_WAKEUP_S = 2e-3
 # (weight and bias), the profile does not count them.
 _CPU_STEP = {"adam": (19, 72.0), "adamw": (21, 80.0), "sgd": (6, 32.0)}
 
+# [Note: gloo's all-gather and reduce-scatter] NCCL runs both as rings, each half a
+# ring all-reduce of the whole bytes; gloo does not: its all_gather_into_tensor and
+# reduce_scatter_tensor took 1.4 and 1.6-2.0 times its all_reduce of the same whole
+# tensor at 2 ranks, 1.25 and 1.6 at 4 (34 MiB fp32, medians of 7, on the 2-core
+# machine, 2026-12-06). FSDP on gloo is priced at these multiples of the all-reduce.
+_GLOO_FSDP = (1.3, 1.8)
+
 
 def cpu_speeds(
     *, stages: int, processes: int, threads: int, cores: int, corun: float = CPU_CORUN_SLOWDOWN
@@ -335,7 +342,8 @@ class StageTime:
 
         Each runs on the ring the replicas all-reduce on and takes half of a ring
         all-reduce of its bytes (:meth:`Cluster.allreduce_time`; n − 1 messages of
-        its 2(n − 1)): the weights in their own dtype
+        its 2(n − 1)); on gloo the multiples measured there ([Note: gloo's
+        all-gather and reduce-scatter]): the weights in their own dtype
         (``weights_b``: the runtime gathers the fp32 master copy), the gradients as
         DDP's all-reduce sends them (``wire_b``: bf16 under bf16-mixed). Neither
         overlaps compute; both are priced in the stage's tail ([Note: FSDP as it
@@ -347,8 +355,9 @@ class StageTime:
         n_params = b.parameters(s, i, j) + b.tied_copy_bytes(i, j) / b.param_elem
         ranks, wait = b.layout.ranks[s], (b.layout.dp - 1) * self.wakeup_s
         scale = 1e3 * self.comm_scale * self.calibration.allreduce_scale
-        gather = b.cluster.allreduce_time(ranks, n_params * b.weights_b) / 2 + wait
-        scatter = b.cluster.allreduce_time(ranks, n_params * b.wire_b) / 2 + wait
+        times = _GLOO_FSDP if b.cluster.backend == "gloo" else (0.5, 0.5)
+        gather = b.cluster.allreduce_time(ranks, n_params * b.weights_b) * times[0] + wait
+        scatter = b.cluster.allreduce_time(ranks, n_params * b.wire_b) * times[1] + wait
         return gather * scale, scatter * scale
 
     def sync(self, s: int, i: int, j: int) -> float:

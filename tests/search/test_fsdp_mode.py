@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from models import chain_profiles
+from models import chain_profiles, cpu_cluster
 
 from planner.cost.basis import Layout
 from planner.cost.model import CostModel
@@ -127,6 +127,19 @@ def test_fsdp_time_is_half_an_all_reduce_each_way_and_a_quarter_step(precision: 
     inputs = fsdp.predict((0,)).inputs
     assert inputs.reduce_ms == (0.0,)
     assert inputs.tail_ms[0] == pytest.approx(step + gather + scatter)
+
+
+def test_fsdp_on_gloo_is_priced_at_gloos_measured_multiples_of_its_all_reduce() -> None:
+    # [Note: gloo's all-gather and reduce-scatter]: not half an all-reduce each, as rings.
+    layout = Layout(pp=1, dp=2, micro_batches=1, schedule="1f1b", ranks=((0, 1),),
+                    dp_mode="fsdp")  # fmt: skip
+    prof = replace(_profile(bare=True), device="cpu")
+    cost = CostModel({"cpu": prof}, cpu_cluster(2), Training(global_batch=2), layout)
+    gather, scatter = cost.time.fsdp_ms(0, 0, 8)
+    ring = cost.cluster.allreduce_time((0, 1), N * 4) * 1e3 * cost.time.comm_scale
+    wait = cost.time.wakeup_s * 1e3 * cost.time.comm_scale
+    assert gather == pytest.approx(1.3 * ring + wait)
+    assert scatter == pytest.approx(1.8 * ring + wait)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
