@@ -152,12 +152,15 @@ Times = list[tuple[float, float, float]]
 
 
 def joined_waits(graph: StepGraph, join: Sequence[Sequence[int]]) -> dict[int, tuple[int, ...]]:
-    """Per tail node of a joined stage, the last actions of its whole group."""
+    """Per tail node of a joined stage, what it waits for: its own inputs (with several
+    stages per rank, the rank's previous tail: a rank runs its tails one after another)
+    and the last actions of its whole group."""
     waits: dict[int, tuple[int, ...]] = {}
     for group in join:
         members = tuple(graph.last[g] for g in group)
         for s in group:
-            waits[graph.tails[s]] = members
+            tail = graph.tails[s]
+            waits[tail] = tuple(dict.fromkeys((*graph.nodes[tail].preds, *members)))
     return waits
 
 

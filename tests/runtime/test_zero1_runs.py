@@ -17,56 +17,21 @@ tied embedding and head.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from small_examples import batch, build, loss_for
-from world import run_world
-
-from planner.devices import from_gpus
-from planner.options import PlanOptions, SearchOptions, Training
-from planner.plan import load_plan, save_plan
-from planner.planning import plan_model
-
-STEPS = 3
-BATCH = 8
-RTOL, ATOL = 1e-4, 1e-5  # as tests/runtime/test_parity.py
-WORLD_TIMEOUT_S = 180
+from dp_mode_runs import (
+    CASES,
+    STEPS,
+    WORLD_TIMEOUT_S,
+    Trainer,
+    reference_run,
+    trained_like_one_process,
+)
 
 pytestmark = pytest.mark.multiprocess
-
-CASES = {  # name: world size, model, pp, schedule, stages per rank, micro-batches
-    "pp1-dp2-mlp": (2, "mlp", 1, "gpipe", 1, 2),
-    "pp2-dp2-gpt": (4, "gpt", 2, "1f1b", 1, 2),
-    "pp2-v2-dp2-gpt": (4, "gpt", 2, "interleaved-1f1b", 2, 4),
-}
-
-
-def _adam(ps: Any) -> torch.optim.Optimizer:
-    return torch.optim.Adam(ps, lr=1e-3, eps=1e-6)  # eps: as test_parity's
-
-
-def _model(name: str, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return build(name)
-
-
-def _planned(case: str, tmp: Path, dp_mode: str) -> str:
-    world, name, pp, schedule, v, m = CASES[case]
-    x, y = batch(name, BATCH, 0)
-    search = SearchOptions(
-        pp=pp, dp=2, micro_batches=m, schedule=schedule, virtual=v, dp_mode=dp_mode
-    )
-    plan = plan_model(
-        _model(name), (x, y), cluster=from_gpus(world, "h100"), loss_fn=loss_for(name),
-        options=PlanOptions(training=Training(global_batch=BATCH), search=search),
-        model_file=f"{name}.py",
-    )  # fmt: skip
-    assert (plan.dp_mode, plan.virtual) == (dp_mode, v)
-    return str(save_plan(plan, tmp / f"{dp_mode}-{case}.yaml"))
 
 
 def _named(pm: Any) -> dict[int, str]:
@@ -85,18 +50,9 @@ def _worker(plan_path: str, name: str, ddp_path: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from runtime.checkpoint import load, save
-    from runtime.engine import ParallelModel
 
-    model = _model(name)
-    reference = copy.deepcopy(model)
-    batches = [batch(name, BATCH, k) for k in range(STEPS)]
-
-    def run(seed: int, path: str = plan_path) -> Any:
-        return ParallelModel.from_plan(
-            model if seed == 0 else _model(name, seed), load_plan(path), loss_fn=loss_for(name),
-            optimizer=_adam, sample=((batches[0][0],), {}),
-        )  # fmt: skip
-
+    trainer = Trainer(name, plan_path)
+    run, batches, reference = trainer.run, trainer.batches, trainer.reference
     pm = run(0)
     losses = [pm.step(x, y) for x, y in batches]
     names = _named(pm)
@@ -118,7 +74,7 @@ def _worker(plan_path: str, name: str, ddp_path: str) -> dict[str, Any]:
     copies = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object({k: v.cpu() for k, v in pm.stage_state_dict().items()}, copies, dst=0)
     if dist.get_rank() == 0:
-        out.update(_reference(name, reference, batches, full, copies))
+        out.update(reference_run(name, reference, batches, full, copies))
     return out
 
 
@@ -154,51 +110,15 @@ def _into_ddp(pm: Any, ddp: Any) -> str:
     return f"weights differ: {bad[:3]}" if bad else ""
 
 
-def _reference(
-    name: str, reference: torch.nn.Module, batches: list[Any], full: dict[str, Any], copies: Any
-) -> dict[str, Any]:
-    """One process on the whole batches: its losses, and how the run's weights differ."""
-    opt = _adam(reference.parameters())
-    ref_losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = loss_for(name)(reference(x), y)
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
-    mismatches = []
-    for key, want in reference.named_parameters():
-        try:
-            torch.testing.assert_close(full[key], want.detach(), rtol=RTOL, atol=ATOL)
-        except (AssertionError, KeyError) as exc:
-            mismatches.append(f"{key}: {str(exc).splitlines()[:3]}")
-    spread, seen = 0.0, {}
-    for part in copies:
-        for k, v in part.items():
-            if k in seen:
-                spread = max(spread, (seen[k].float() - v.float()).abs().max().item())
-            seen.setdefault(k, v)
-    return {"ref_losses": ref_losses, "mismatches": mismatches, "spread": spread}
-
-
 @pytest.mark.timeout(2 * WORLD_TIMEOUT_S + 60)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_zero1_trains_like_one_process_on_disjoint_shares_and_resumes_exactly(
     case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    world, name, *_ = CASES[case]
     monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
-    plans = (_planned(case, tmp_path, "zero1"), name, _planned(case, tmp_path, "ddp"))
-    ranks = run_world(_worker, world, args=plans, timeout_s=WORLD_TIMEOUT_S)
-    root = ranks[0]
-    assert not root["mismatches"], "\n".join(root["mismatches"])
-    assert root["spread"] <= 1e-6, f"copies differ by {root['spread']}"
+    ranks = trained_like_one_process(_worker, case, tmp_path, "zero1")
     by_stage: dict[int, list[dict[str, Any]]] = {}
     for rank, res in enumerate(ranks):
-        torch.testing.assert_close(
-            torch.tensor(res["losses"]), torch.tensor(root["ref_losses"]), rtol=RTOL, atol=ATOL,
-            msg=lambda m, r=rank: f"rank {r} losses: {m}",
-        )  # fmt: skip
         assert res["resumed"] == "", (rank, res["resumed"])
         assert res["into_ddp"] == "", (rank, res["into_ddp"])
         by_stage.setdefault(res["stage"], []).append(res)

@@ -79,14 +79,15 @@ def _cluster(kind: str, devices: int) -> Cluster:
 
 
 def _parts(
-    seed: int, kind: str, several: bool = False
+    seed: int, kind: str, several: bool = False, dp_mode: str = "ddp"
 ) -> tuple[dict[str, ModelProfile], Cluster, Training, Layout]:
     """A random small instance: its profiles per device type, cluster, training, layout;
-    ``several``: two stages per rank (Interleaved 1F1B or Looped BFS, pp 2)."""
+    ``several``: two stages per rank (Interleaved 1F1B or Looped BFS, pp 2); ``dp_mode``
+    other than ddp: dp 2, in that mode."""
     rng = random.Random(seed)
     n = rng.randint(4, 9)
     pp = 2 if several else rng.choice([p for p in (2, 3, 4) if p <= n])
-    dp = rng.choice([1, 2])
+    dp = rng.choice([1, 2]) if dp_mode == "ddp" else 2
     v = 2 if several else 1
     schedule = rng.choice(["interleaved-1f1b", "looped-bfs"] if several else ["gpipe", "1f1b"])
     if schedule == "1f1b":
@@ -103,12 +104,13 @@ def _parts(
         t: _profile(random.Random(seed), n, t, 1.0 + 0.5 * k, tied) for k, t in enumerate(types)
     }
     ranks = tuple(grid[k] for k in stage_ranks(schedule, pp, v))
-    layout = Layout(pp=pp, dp=dp, micro_batches=m, schedule=schedule, ranks=ranks, virtual=v)
+    layout = Layout(pp=pp, dp=dp, micro_batches=m, schedule=schedule, ranks=ranks, virtual=v,
+                    dp_mode=dp_mode)  # fmt: skip
     return profiles, cluster, Training(global_batch=4 * dp * m), layout
 
 
-def _instance(seed: int, kind: str, several: bool = False) -> CostModel:
-    return CostModel(*_parts(seed, kind, several))
+def _instance(seed: int, kind: str, several: bool = False, dp_mode: str = "ddp") -> CostModel:
+    return CostModel(*_parts(seed, kind, several, dp_mode))
 
 
 def _brute_force(cost: CostModel) -> float | None:
@@ -209,22 +211,30 @@ def _graph_and_step(cost: CostModel) -> list[tuple[float, float]]:
     from planner.search.partition import step_problem
     from planner.solve.step_table import StepTable
 
-    table = StepTable(step_problem(cost))
+    problem = step_problem(cost)
+    assert problem.exact, "the graph of this layout is a bound, not its step"
+    table = StepTable(problem)
     out = []
-    for cuts in itertools.combinations(range(1, cost.n_blocks), cost.layout.pp - 1):
+    for cuts in itertools.combinations(range(1, cost.n_blocks), cost.layout.n_stages - 1):
         starts = (0, *cuts)
         graph = table.graph_times(table.indices(starts))[0]
         out.append((graph, cost.step_ms(starts)))
     return out
 
 
+@pytest.mark.parametrize("several", [False, True], ids=["v1", "v2"])
+@pytest.mark.parametrize("dp_mode", ["ddp", "zero1", "fsdp"])
 @pytest.mark.parametrize("kind", ["h100", "two-nodes", "mixed", "small-memory"])
-def test_the_step_graph_is_the_simulated_step_of_every_placement(kind: str) -> None:
+def test_the_step_graph_is_the_simulated_step_of_every_placement(
+    kind: str, dp_mode: str, several: bool
+) -> None:
     """Where the problem is exact, the MILP minimises the graph: it must be the step itself,
     whatever each stage's recompute choice (1F1B's stages hold different micro-batch counts,
-    so one run of blocks may recompute on one stage and not on another)."""
+    so one run of blocks may recompute on one stage and not on another), in every dp mode,
+    with one stage per rank or two."""
     for seed in range(12):
-        for graph, step in _graph_and_step(_instance(400 + seed, kind)):
+        cost = _instance(400 + seed, kind, several, dp_mode)
+        for graph, step in _graph_and_step(cost):
             assert graph == pytest.approx(step, rel=REL)
 
 
