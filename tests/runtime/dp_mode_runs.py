@@ -27,6 +27,7 @@ __all__ = [
     "Trainer",
     "adam",
     "fresh_model",
+    "plan_file",
     "planned",
     "reference_run",
     "trained_like_one_process",
@@ -57,17 +58,23 @@ def planned(case: str, tmp: Path, dp_mode: str) -> str:
     """The case planned by the search with its configuration and ``dp_mode`` pinned; the
     plan file's path."""
     world, name, pp, schedule, v, m = CASES[case]
-    x, y = batch(name, BATCH, 0)
     search = SearchOptions(
         pp=pp, dp=2, micro_batches=m, schedule=schedule, virtual=v, dp_mode=dp_mode
     )
+    return plan_file(name, world, search, tmp / f"{dp_mode}-{case}.yaml")
+
+
+def plan_file(name: str, world: int, search: SearchOptions, path: Path) -> str:
+    """The example ``name`` planned for ``world`` devices as ``search`` pins it, saved at
+    ``path``; the path."""
+    x, y = batch(name, BATCH, 0)
     plan = plan_model(
         fresh_model(name), (x, y), cluster=from_gpus(world, "h100"), loss_fn=loss_for(name),
         options=PlanOptions(training=Training(global_batch=BATCH), search=search),
         model_file=f"{name}.py",
     )  # fmt: skip
-    assert (plan.dp_mode, plan.virtual) == (dp_mode, v)
-    return str(save_plan(plan, tmp / f"{dp_mode}-{case}.yaml"))
+    assert (plan.dp_mode, plan.virtual) == (search.dp_mode, search.virtual or 1)
+    return str(save_plan(plan, path))
 
 
 class Trainer:

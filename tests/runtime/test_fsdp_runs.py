@@ -29,9 +29,14 @@ from dp_mode_runs import (
     STEPS,
     WORLD_TIMEOUT_S,
     Trainer,
+    plan_file,
+    planned,
     reference_run,
     trained_like_one_process,
 )
+from world import run_world
+
+from planner.options import SearchOptions
 
 CLIP = 0.05  # below every step's gradient norm here: each step clips (the norm over shards)
 
@@ -142,3 +147,41 @@ def test_fsdp_trains_like_one_process_on_shards_and_resumes_exactly(
         assert res["state_held"], rank  # Adam's moments, of the shards
         assert res["resumed"] == "", (rank, res["resumed"])
         assert res["into_ddp"] == "", (rank, res["into_ddp"])
+
+
+def _resharded_worker(plan_path: str, name: str, pp2_path: str) -> str:
+    """Train the FSDP plan, save; load into the pp 2 × dp 1 plan with ``reshard``: "" when
+    this rank's stage holds the gathered weights and optimizer state, else what differs."""
+    from runtime.checkpoint import load, save
+    from runtime.fsdp import whole
+
+    trainer = Trainer(name, plan_path)
+    pm = trainer.run(0)
+    for x, y in trainer.batches:
+        pm.step(x, y)
+    path = save(pm, Path(plan_path).parent / "ckpt-reshard", STEPS)
+    want = {k.split(":", 1)[1]: v for k, v in _state(pm, gather=True).items()}
+    weights = {k: whole(v) for k, v in pm.stage_state_dict().items()}
+    other = trainer.run(2, pp2_path)
+    load(other, path, reshard=True)
+    got = {k.split(":", 1)[1]: v for k, v in _state(other, gather=False).items()}
+    if not got or not set(got) <= set(want):
+        return f"optimizer state {sorted(got)[:4]}, saved {sorted(want)[:4]}"
+    bad = [k for k, v in got.items() if not torch.equal(v, want[k])]
+    bad += [k for k, v in other.stage_state_dict().items() if not torch.equal(v, weights[k])]
+    return f"differ: {bad[:3]}" if bad else ""
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
+def test_an_fsdp_checkpoint_reshards_into_a_pipeline_of_another_dp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pp 1 × dp 2 (FSDP shards) saved, resumed as pp 2 × dp 1 (each stage whole on one rank)."""
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
+    fsdp = planned("pp1-dp2-mlp", tmp_path, "fsdp")
+    pipeline = SearchOptions(pp=2, dp=1, micro_batches=2, schedule="gpipe")
+    pp2 = plan_file("mlp", 2, pipeline, tmp_path / "pp2.yaml")
+    assert run_world(_resharded_worker, 2, args=(fsdp, "mlp", pp2), timeout_s=WORLD_TIMEOUT_S) == [
+        "",
+        "",
+    ]
