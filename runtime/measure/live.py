@@ -32,14 +32,13 @@ bytes are counted here, storage by storage:
   happens at a birth, so only a birth that lifts ``bound`` above the peak
   so far needs the exact total (:meth:`LiveTensors.reconcile`, one
   ``expired()`` per tracked storage). The peak is exact at op granularity.
-
-A ``DTensor`` (FSDP's parameters, gradients and optimizer state) counts by its
-local tensor: the wrapper's own storage is a placeholder.
-
 * resized in place (``storage.resize_``, as FSDP frees and re-allocates its
   gathered weights, unseen by the mode): a tracked storage's size is read
   again when an in-place or ``out=`` op writes it (what follows a resize up)
   and at every exact total (a resize down).
+
+A ``DTensor`` (FSDP's parameters, gradients and optimizer state) counts by its
+local tensor: the wrapper's own storage is a placeholder.
 
 Not counted: temporaries an operator allocates and frees inside itself
 (never returned), and what other threads allocate (gloo's send and receive

@@ -253,9 +253,12 @@ def test_one_run_of_blocks_recomputes_on_an_early_1f1b_stage_and_not_on_a_late_o
         assert graph == pytest.approx(step, rel=REL)
 
 
+@pytest.mark.parametrize("dp_mode", ["ddp", "zero1", "fsdp"])
 @pytest.mark.parametrize("several", [False, True], ids=["v1", "v2"])
 @pytest.mark.parametrize("kind", ["h100", "two-nodes", "mixed", "small-memory"])
-def test_every_lower_bound_is_below_the_step_of_every_placement(kind: str, several: bool) -> None:
+def test_every_lower_bound_is_below_the_step_of_every_placement(
+    kind: str, several: bool, dp_mode: str
+) -> None:
     """The bounds the search prunes with and the solver proves with never exceed a
     placement's simulated step: each segment's bound (on every placement holding that
     segment), and a configuration's bound (the work, the all-reduce chain)."""
@@ -263,7 +266,7 @@ def test_every_lower_bound_is_below_the_step_of_every_placement(kind: str, sever
     from planner.search.partition import step_problem
 
     for seed in range(16):
-        profiles, cluster, training, lay = _parts(500 + seed, kind, several)
+        profiles, cluster, training, lay = _parts(500 + seed, kind, several, dp_mode)
         cost = CostModel(profiles, cluster, training, lay)
         problem = step_problem(cost)
         assert problem.seg_bound is not None and problem.seg_floor is not None
@@ -277,9 +280,10 @@ def test_every_lower_bound_is_below_the_step_of_every_placement(kind: str, sever
             cluster,
             training,
             [(lay.pp, lay.dp, lay.micro_batches, lay.schedule, lay.virtual)],
+            dp_modes=(dp_mode,),
         )
         grid = tuple(lay.ranks[lay.stage_ranks.index(k)] for k in range(lay.pp))
-        floor = next(c.bound for c in configs if c.grid == grid)
+        floor = next(c.bound for c in configs if c.grid == grid and c.dp_mode == lay.dp_mode)
         n, S = cost.n_blocks, lay.n_stages
         for s in range(S):  # the floors the solver stops a stage's runs at
             for i in range(n):
