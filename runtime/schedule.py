@@ -8,19 +8,12 @@ their action lists. A plan with one stage gets ``runtime.accumulate.Accumulate``
 the schedule calls is the user's ``loss_fn`` of what the model returns ([Note:
 one loss-normalisation rule] in ``runtime.engine``).
 
-[Note: the zero-bubble schedules are refused]
-torch's Interleaved ZB, ZB-V and DualPipeV split each backward into the input's
-(I) and the weights' (W). Their W runs ``backward_weight_one_chunk``, outside
-``DistributedDataParallel``'s autograd hooks, so with dp > 1 the replicas'
-gradients are never all-reduced (pytorch/pytorch#144530): each replica would
-train on its own shard and drift apart, silently. At dp = 1 they were tried
-(torch 2.13, GPT and MLP, pp 2 × v 2, gloo): the first W action (``2W0``)
-failed in ``torch.autograd.grad`` with "Trying to use a saved tensor that has
-been detached in-place": torch's ``stage_backward_input`` detaches the stage's
-outputs in place after the I step, and the W step still needs the graph
-behind them. So they are refused at every dp until a parity test here proves
-them right; the planner does not propose them
-(``planner.plan.schedule.SCHEDULES``).
+The zero-bubble schedules (Interleaved ZB, ZB-V, DualPipeV) split each
+backward into the input's part and the weights'; what their stages need is in
+``runtime.zero_bubble`` ([Note: a split backward keeps the stage's graph],
+[Note: DDP under a split backward], [Note: the V schedules' neighbours on one
+rank]). ZB-V and DualPipeV place stages down the ranks and back up
+(``planner.plan.schedule.stage_ranks``).
 """
 
 from __future__ import annotations
@@ -31,9 +24,12 @@ from typing import Any
 from torch import Tensor
 from torch.distributed.pipelining import (
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 
 from planner.plan.schedule import schedule_problem
@@ -42,7 +38,7 @@ from runtime.accumulate import Accumulate
 from runtime.mesh import pipeline_grid
 from runtime.stage import StageModule
 
-__all__ = ["MULTI_STAGE", "SCHEDULES", "ZERO_BUBBLE", "check_schedule", "make_schedule"]
+__all__ = ["MULTI_STAGE", "SCHEDULES", "check_schedule", "make_schedule"]
 
 SCHEDULES: dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 """The plan's ``schedule`` name → torch's single-stage-per-rank schedule."""
@@ -50,11 +46,11 @@ SCHEDULES: dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 MULTI_STAGE: dict[str, type] = {
     "interleaved-1f1b": ScheduleInterleaved1F1B,
     "looped-bfs": ScheduleLoopedBFS,
+    "interleaved-zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
-"""The plan's ``schedule`` name → torch's schedule of several stages per rank (any v ≥ 1)."""
-
-ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
-"""Schedules the runtime refuses ([Note: the zero-bubble schedules are refused])."""
+"""The plan's ``schedule`` name → torch's schedule of several stages per rank."""
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -65,16 +61,6 @@ def check_schedule(plan: Plan) -> None:
     Raised on every rank before any communication.
     """
     name, pp, v = plan.schedule, plan.pp, plan.virtual
-    if name in ZERO_BUBBLE:
-        raise ValueError(
-            f"the plan's schedule {name!r} is not run by this runtime: torch's zero-bubble "
-            "schedules compute the weights' gradients outside DDP's hooks, so with dp > 1 the "
-            "replicas' gradients are never all-reduced (pytorch/pytorch#144530), and at dp = 1 "
-            "their weight backward fails in torch 2.13 (a saved tensor detached in place; see "
-            f"runtime/schedule.py) (this plan: pp {pp} × v {v} × dp {plan.dp}).\n  fix: "
-            "set training.schedule to interleaved-1f1b or looped-bfs (stage i on pipeline rank "
-            "i mod pp: re-plan, or edit the stages' ranks), or gpipe/1f1b with layout.virtual 1"
-        )
     if name not in SCHEDULES and name not in MULTI_STAGE:
         known = ", ".join([*SCHEDULES, *MULTI_STAGE])
         raise ValueError(

@@ -38,6 +38,7 @@ from runtime.precision import retype_boundaries, send_as
 from runtime.recompute import maybe_recompute
 from runtime.split import Example, StageError, split_for_plan
 from runtime.split.used import prune_unused, release_others, used_tensors
+from runtime.zero_bubble import detachable, reduce_by_hand, reduces_by_hand, skip_self_warmup
 
 __all__ = ["StageModule", "build_stage", "build_stages", "maybe_ddp", "rank_module", "replicate"]
 
@@ -172,8 +173,9 @@ def build_stages(
     for s, module, stage in zip(mesh.stages, mine, stages, strict=True):
         # [Note: recompute as it runs] in runtime.recompute
         runner = maybe_recompute(send_as(module, sends[s]), plan.stages[s].recompute)
-        wrapped = replicate(runner, mesh, plan)
+        wrapped = replicate(detachable(runner, plan.schedule), mesh, plan)
         stage.submod = wrapped
+        reduce_by_hand(stage, module, mesh, plan)  # [Note: DDP under a split backward]
         log.info(
             "%s stage %d/%d built with %s: %d parameters (%d trainable), %s",
             mesh.prefix,
@@ -215,6 +217,7 @@ def _torch_stage(parts: Any, s: int, plan: Plan, mesh: Mesh) -> Any:
     stage.stage_index_to_group_rank = {
         i: dist.get_group_rank(mesh.pp_group, mesh.rank_of(mesh.replica, i)) for i in range(n)
     }
+    skip_self_warmup(stage)
     return stage
 
 
@@ -294,6 +297,8 @@ def replicate(module: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     ``dp_mode: fsdp`` and dp > 1, else DDP (:func:`maybe_ddp`; ZeRO-1's gradients are DDP's)."""
     if plan.dp_mode == "fsdp" and mesh.dp > 1:
         return shard_stage(module, mesh, plan)
+    if reduces_by_hand(plan, mesh.dp):  # [Note: DDP under a split backward]
+        return module
     return maybe_ddp(module, mesh)
 
 

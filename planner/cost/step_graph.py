@@ -151,6 +151,12 @@ def step_graph(schedule: str, n_stages: int, micro_batches: int, virtual: int = 
             preds[("tail", s, -1)] = [prev]
             prev = ("tail", s, -1)
     order = _topological(keys, preds)
+    # Tails last: nothing but a rank's next tail follows one, so the order stays
+    # topological, and a joined tail's waits for other stages' last actions (tied
+    # weights: simulate.joined_waits, the step table's joins) always lie before it,
+    # also where its rank's actions end before the other stage's (ZB-V: stages 0 and
+    # 2·pp − 1, tied, both on rank 0).
+    order = [key for key in order if key[0] != "tail"] + [key for key in order if key[0] == "tail"]
     index = {key: i for i, key in enumerate(order)}
     reduce_at = set(last.values())
     nodes = tuple(

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 
 from planner.cost.stage_time import CPU_CORUN_SLOWDOWN
-from planner.plan.schedule import SCHEDULES
+from planner.plan.schedule import SCHEDULES, SPLIT_BACKWARD
 
 __all__ = [
     "SegmentBound",
@@ -53,6 +53,10 @@ def work_bound(
       share of the work, one after another, and micro-batch 0 goes through
       every stage and back: ``max(m·share, total)``.
 
+    * a split backward (the zero-bubble schedules): micro-batch 0's round trip
+      runs the input's part of each backward only, and the weights' parts later,
+      so only the busiest rank's work is a path: ``m·share``.
+
     Every action runs at most at its speed alone, so the bound holds where
     stages share cores too.
 
@@ -60,6 +64,8 @@ def work_bound(
     (18.0, 12.0)
     """
     share = max(total / pp, heaviest)
+    if schedule in SPLIT_BACKWARD:
+        return micro_batches * share
     if schedule == "1f1b" or virtual > 1:
         return max(micro_batches * share, total)
     return total + (micro_batches - 1) * share
@@ -236,6 +242,14 @@ class SegmentBound:
     the first two bounds hold; the wait term, which counts 1F1B's or GPipe's
     warm-up forwards, is left out (0).
 
+    [Note: bounds under a split backward] The zero-bubble schedules split each
+    backward into its input's part (``I``) and its weights' (``W``); a stage's
+    all-reduce follows its last ``W``, off the path the gradients take back, and
+    the step graph sends nothing between two consecutive stages on one rank
+    (ZB-V, DualPipeV). So only the first bound holds, its wait term left out,
+    with such a local link's figures counted as 0 (``step_problem`` passes
+    them so).
+
     [Note: bounds under a limit] Called with a ``limit`` (the best step found),
     the least sums range only over the placements that could still reach it:
     a stage holding [i, j) takes at least ``m·(f + b)`` of the step, so a
@@ -269,6 +283,7 @@ class SegmentBound:
     ) -> None:
         self.S, self.m, self.gpipe = n_stages, micro_batches, schedule == "gpipe"
         self.several = virtual > 1  # [Note: bounds with several stages per rank]
+        self.split = schedule in SPLIT_BACKWARD  # [Note: bounds under a split backward]
         self.pos = list(positions)
         self.index = {q: a for a, q in enumerate(self.pos)}
         self.figures, self.cuts = figures, cuts
@@ -287,6 +302,8 @@ class SegmentBound:
         own = self.m * (f + b) + red
         link = sum(self.cuts(s, j)) if s < self.S - 1 else 0.0
         trip = link + suf[s + 1].get(j, inf)  # micro-batch 0 on to the last stage and back
+        if self.split:
+            return pf[s].get(i, inf) + own + tail
         if self.several:
             wait = 0.0
         elif self.gpipe:  # after its m forwards

@@ -48,6 +48,8 @@ __all__ = [
     "MULTI_STAGE",
     "SCHEDULES",
     "SIMULATED",
+    "SPLIT_BACKWARD",
+    "V_SHAPED",
     "Action",
     "check_schedule",
     "held_at_peak",
@@ -61,10 +63,11 @@ __all__ = [
 SCHEDULES = ("gpipe", "1f1b")
 """The one-stage-per-rank schedules the planner searches and the runtime runs."""
 
-MULTI_STAGE = ("interleaved-1f1b", "looped-bfs")
-"""The schedules of v ≥ 2 stages per rank the planner searches and the runtime runs
-(stage i on rank i mod pp); the zero-bubble ones are simulated only (runtime/schedule.py
-says why they are refused)."""
+MULTI_STAGE = ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+"""The schedules of several stages per rank the planner searches and the runtime runs:
+Interleaved 1F1B, Looped BFS and Interleaved ZB at v ≥ 2 (stage i on rank i mod pp;
+Interleaved ZB also at v = 1, the zero-bubble paper's ZB-1p, when pinned), ZB-V and
+DualPipeV at v = 2 (stages down the ranks and back up)."""
 
 SIMULATED: dict[str, tuple[str, str]] = {
     "gpipe": ("ScheduleGPipe", "loop"),
@@ -77,8 +80,13 @@ SIMULATED: dict[str, tuple[str, str]] = {
 }
 """Every schedule the simulator prices: name → (torch's class, how stages sit on ranks)."""
 
+SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
+"""The zero-bubble schedules: each backward split into the input's part (``I``) and the
+weights' (``W``, later)."""
+
 _SINGLE = ("gpipe", "1f1b")  # one stage per rank
-_TWO = ("zbv", "dualpipev")  # exactly two stages per rank
+V_SHAPED = ("zbv", "dualpipev")
+"""The schedules of exactly two stages per rank, down the ranks and back up."""
 
 
 class Action(NamedTuple):
@@ -106,9 +114,9 @@ def schedule_problem(
         return (f"unknown schedule {schedule!r}", f"choose one of {', '.join(SIMULATED)}")
     if schedule in _SINGLE and v != 1:
         return (f"{schedule} runs one stage per rank (v {v})", "layout.virtual: 1")
-    if schedule in _TWO and v != 2:
+    if schedule in V_SHAPED and v != 2:
         return (f"{schedule} runs exactly two stages per rank (v {v})", "layout.virtual: 2")
-    if schedule not in _SINGLE and schedule not in _TWO and v < 1:
+    if schedule not in _SINGLE and schedule not in V_SHAPED and v < 1:
         return (f"{schedule} needs v ≥ 1 stages per rank (v {v})", "layout.virtual: 2")
     if schedule == "1f1b" and m < p:
         # torch's Schedule1F1B needs a micro-batch per stage in flight.

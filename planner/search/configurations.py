@@ -41,6 +41,7 @@ from planner.cost.step_time import (
 from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
 from planner.plan.records import ModelProfile
+from planner.plan.schedule import SPLIT_BACKWARD
 from planner.search.messages import nothing_possible
 from planner.search.schedules import Rejection, schedules
 
@@ -343,7 +344,9 @@ def bounded(
             label = f", {t} thread{'s' if t != 1 else ''} per process" if cpu else ""
             for name, grid in layouts(used, pp, dp):
                 lb = bound
-                if full.backend != "gloo" and dp > 1:  # GPUs: every speed 1, graph = step
+                # GPUs: every speed 1, graph = step; a split backward's all-reduce follows its
+                # last W, off the gradients' way back ([Note: bounds under a split backward])
+                if full.backend != "gloo" and dp > 1 and sched not in SPLIT_BACKWARD:
                     reduces = allreduce_floor(used.allreduce_time, grid, wire)
                     lb = max(lb, reduce_chain_bound(total, last, m, reduces))
                 for mode in dp_modes if dp > 1 else ("ddp",):

@@ -87,13 +87,19 @@ def step_problem(
     graph = step_graph(lay.schedule, lay.n_stages, lay.micro_batches, lay.virtual)
     prices = _Prices(cost)
     legal = sorted(set(range(1, n) if allowed_starts is None else allowed_starts) - {0})
+    on = lay.stage_ranks
+    local = {s for s in range(lay.n_stages - 1) if on[s] == on[s + 1]}  # ZB-V, DualPipeV
+
+    def cuts(s: int, j: int) -> tuple[float, float]:  # nothing sent within a rank
+        return (0.0, 0.0) if s in local else prices.cuts(s, j)
+
     bound = SegmentBound(  # each stage's own figures, its recompute choice included
         n_stages=lay.n_stages,
         micro_batches=lay.micro_batches,
         schedule=lay.schedule,
         positions=[0, *legal, n],
         figures=prices.figures,
-        cuts=prices.cuts,
+        cuts=cuts,
         floor=lambda s, i, j: prices.priced(s, i, j, False),
         fits=lambda s, i, j: prices.memory_floor(s, i, j) <= cost.capacity[s],
         virtual=lay.virtual,

@@ -1,9 +1,11 @@
 """The schedules and stages per rank the search tries for one (pp, dp, m).
 
 One-stage schedules (``SCHEDULES``: GPipe, 1F1B) at v = 1; the multi-stage ones
-(``MULTI_STAGE``: Interleaved 1F1B, Looped BFS) at v = 2 … ``max_virtual`` (1
-by default: off unless asked), or at the pinned ``--virtual-stages``, with
-pp · v stages no more than the model's blocks can make.
+(``MULTI_STAGE``: Interleaved 1F1B, Looped BFS, Interleaved ZB) at v = 2 …
+``max_virtual`` (1 by default: off unless asked), or at the pinned
+``--virtual-stages``; ZB-V and DualPipeV (two stages per rank) at v = 2 where
+``max_virtual`` ≥ 2; always with pp · v stages no more than the model's blocks
+can make.
 
 Pure: no torch.
 """
@@ -11,7 +13,7 @@ Pure: no torch.
 from __future__ import annotations
 
 from planner.options import SearchOptions
-from planner.plan.schedule import MULTI_STAGE, SCHEDULES, schedule_problem
+from planner.plan.schedule import MULTI_STAGE, SCHEDULES, V_SHAPED, schedule_problem
 
 __all__ = ["Rejection", "schedules"]
 
@@ -63,6 +65,8 @@ def _virtuals(
     top = max(1, max_stages // pp)
     top_v = max(options.max_virtual, 2 if options.schedule == sched else 1)  # pinned: v ≥ 2
     wanted = [options.virtual] if options.virtual else list(range(2, top_v + 1))
+    if sched in V_SHAPED and not options.virtual:
+        wanted = wanted[:1]  # exactly two stages per rank
     out = [v for v in wanted if v <= top]
     for v in wanted:
         if v > top:

@@ -79,10 +79,13 @@ def plan_file(name: str, world: int, search: SearchOptions, path: Path) -> str:
 
 class Trainer:
     """In a rank: the model of ``name`` (seed 0), an untouched copy of it (``reference``), the
-    batches, and :meth:`run`, a ``ParallelModel`` of a plan (``clip``: the norm to clip to)."""
+    batches, and :meth:`run`, a ``ParallelModel`` of a plan (``clip``: the norm to clip to;
+    ``split``: how to split the model, ``runtime.split``)."""
 
-    def __init__(self, name: str, plan_path: str, clip: float | None = None) -> None:
-        self.name, self.plan_path, self.clip = name, plan_path, clip
+    def __init__(
+        self, name: str, plan_path: str, clip: float | None = None, split: str = "auto"
+    ) -> None:
+        self.name, self.plan_path, self.clip, self.split = name, plan_path, clip, split
         self.model = fresh_model(name)
         self.reference = copy.deepcopy(self.model)
         self.batches = [batch(name, BATCH, k) for k in range(STEPS)]
@@ -95,7 +98,7 @@ class Trainer:
         return ParallelModel.from_plan(
             self.model if seed == 0 else fresh_model(self.name, seed),
             load_plan(path or self.plan_path), loss_fn=loss_for(self.name), optimizer=adam,
-            sample=((self.batches[0][0],), {}), clip_grad_norm=self.clip,
+            sample=((self.batches[0][0],), {}), clip_grad_norm=self.clip, split=self.split,
         )  # fmt: skip
 
 

@@ -1,12 +1,11 @@
 """Several stages per rank: what the runtime refuses, before any process group exists, and
 a rank's stages seen as one module (what checkpoints save the optimizer's state against).
 
-The refusals are raised by ``ParallelModel.from_plan`` in this process: the
-zero-bubble schedules (with DDP torch never all-reduces their gradients,
-pytorch#144530; at dp = 1 their weight backward fails in torch 2.13), a
+The refusals are raised by ``ParallelModel.from_plan`` in this process: a
 pipeline against the rank order torch's multi-stage schedules need, pp 1
 with several stages; and, on a rank, two stages sharing one tensor (the fx
-split's tied weight).
+split's tied weight). The zero-bubble schedules run
+(tests/runtime/test_zero_bubble_runs.py).
 """
 
 from __future__ import annotations
@@ -46,24 +45,6 @@ def _refusal(plan_path: Path) -> str:
             sample=((x,), {}),
         )
     return str(err.value)
-
-
-@pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv", "dualpipev"])
-@pytest.mark.parametrize("dp", [1, 2])
-def test_the_zero_bubble_schedules_are_refused(
-    gpt4: Plan, tmp_path: Path, schedule: str, dp: int
-) -> None:
-    def edit(d: dict[str, Any]) -> None:
-        d["training"] |= {"micro_batches": 4, "micro_batch_size": 2 // dp}  # dualpipev: m ≥ 2·pp
-        d["layout"]["dp"] = dp
-        for st in d["stages"]:
-            st["ranks"] = [st["ranks"][0] + 2 * r for r in range(dp)]
-
-    msg = _refusal(virtual_plan(gpt4, schedule, tmp_path / "zb.yaml", edit))
-    assert f"the plan's schedule {schedule!r} is not run by this runtime" in msg, msg
-    assert "pytorch/pytorch#144530" in msg and f"pp 2 × v 2 × dp {dp}" in msg, msg
-    assert "at dp = 1 their weight backward fails in torch 2.13" in msg, msg
-    assert "fix: set training.schedule to interleaved-1f1b or looped-bfs" in msg, msg
 
 
 def test_a_pipeline_against_the_rank_order_is_refused(gpt4: Plan, tmp_path: Path) -> None:
