@@ -90,7 +90,8 @@ class SearchOptions:
     virtual: int | None = option(
         None,
         help="pin the stages per pipeline rank (v; 1 for gpipe and 1f1b, 2 or more for "
-        "interleaved-1f1b and looped-bfs)",
+        "interleaved-1f1b and looped-bfs, 1 or more for interleaved-zb (1: ZB-1p), 2 for zbv "
+        "and dualpipev)",
         flag="--virtual-stages",
     )
     dp_mode: str = option(
@@ -125,8 +126,9 @@ class SearchOptions:
     max_micro_batches: int = option(64, help="the largest micro-batch count considered", cli=False)
     max_virtual: int = option(
         1,
-        help="the most stages per pipeline rank the search considers (interleaved-1f1b and "
-        "looped-bfs at v = 2 up to it); 1, the default: gpipe and 1f1b only, unless "
+        help="the most stages per pipeline rank the search considers (interleaved-1f1b, "
+        "looped-bfs and interleaved-zb at v = 2 up to it; with them interleaved-zb at v = 1, "
+        "ZB-1p, and zbv and dualpipev at v = 2); 1, the default: gpipe and 1f1b only, unless "
         "--schedule or --virtual-stages asks for more (their step solves are still slow: "
         "README, schedules)",
         flag="--max-virtual-stages",

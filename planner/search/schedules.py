@@ -3,9 +3,9 @@
 One-stage schedules (``SCHEDULES``: GPipe, 1F1B) at v = 1; the multi-stage ones
 (``MULTI_STAGE``: Interleaved 1F1B, Looped BFS, Interleaved ZB) at v = 2 …
 ``max_virtual`` (1 by default: off unless asked), or at the pinned
-``--virtual-stages``; ZB-V and DualPipeV (two stages per rank) at v = 2 where
-``max_virtual`` ≥ 2; always with pp · v stages no more than the model's blocks
-can make.
+``--virtual-stages``; where they are tried, Interleaved ZB also at v = 1 (ZB-1p),
+and ZB-V and DualPipeV (two stages per rank) at v = 2 only; always with pp · v
+stages no more than the model's blocks can make.
 
 Pure: no torch.
 """
@@ -67,6 +67,8 @@ def _virtuals(
     wanted = [options.virtual] if options.virtual else list(range(2, top_v + 1))
     if sched in V_SHAPED and not options.virtual:
         wanted = wanted[:1]  # exactly two stages per rank
+    if sched == "interleaved-zb" and wanted and not options.virtual:
+        wanted = [1, *wanted]  # v 1: the zero-bubble paper's ZB-1p
     out = [v for v in wanted if v <= top]
     for v in wanted:
         if v > top:

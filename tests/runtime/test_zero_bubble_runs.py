@@ -11,8 +11,9 @@ ZB-V and DualPipeV those two stages are on rank 0, and stages 1 and 2, next to
 each other, on rank 1 (their tensors pass within the rank).
 
 World 2 (dp 1): Interleaved ZB, ZB-V, DualPipeV, and ZB-V over the fx split
-(the MLP); also with every stage recomputing (Interleaved ZB). World 4
-(dp 2): each schedule with DDP, ZeRO-1 and FSDP. With DDP and ZeRO-1 the stages
+(the MLP); also with every stage recomputing (Interleaved ZB), and ZB-1p
+(Interleaved ZB at v 1, one stage per rank). World 4 (dp 2): each schedule
+with DDP, ZeRO-1 and FSDP, and ZB-1p with DDP. With DDP and ZeRO-1 the stages
 are not DDP-wrapped and average their gradients by hand after their last
 weight backward ([Note: DDP under a split backward]); without that the
 replicas drift apart (checked by hand: the weights differ by 8e-3 after 3
@@ -40,12 +41,14 @@ DP_MODES = ("ddp", "zero1", "fsdp")
 pytestmark = pytest.mark.multiprocess
 
 
-def _plan(tmp: Path, name: str, schedule: str, dp: int, mode: str, recompute: bool = False) -> str:
+def _plan(
+    tmp: Path, name: str, schedule: str, dp: int, mode: str, recompute: bool = False, v: int = 2
+) -> str:
     world = 2 * dp
     search = SearchOptions(
-        pp=2, dp=dp, micro_batches=4, schedule=schedule, virtual=2, dp_mode=mode
+        pp=2, dp=dp, micro_batches=4, schedule=schedule, virtual=v, dp_mode=mode
     )  # m 4: DualPipeV needs m ≥ 2·pp
-    path = Path(plan_file(name, world, search, tmp / f"{name}-{schedule}-{dp}-{mode}.yaml"))
+    path = Path(plan_file(name, world, search, tmp / f"{name}-{schedule}-{v}-{dp}-{mode}.yaml"))
     if recompute:  # every stage recomputes its activations in the backward
         data = yaml.safe_load(path.read_text())
         for st in data["stages"]:
@@ -75,6 +78,7 @@ def _worker(cases: list[tuple[str, str, str]]) -> dict[str, dict[str, Any]]:
             "schedule": type(pm.schedule).__name__,
             "wrapped": sorted({"fsdp" if s.fsdp else "ddp" if s.ddp else "-" for s in pm.stages}),
             "method": pm.stages[0].method,
+            "stages": len(pm.plan.stages),
         }
         full = pm.state_dict()
         mine = {k: whole(v).cpu() for k, v in pm.stage_state_dict().items()}
@@ -118,6 +122,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str,
         cases.append(("zbv-fx", "mlp", _plan(tmp, "mlp", "zbv", 1, "ddp")))
         cases.append(("interleaved-zb-recompute", "gpt",
                       _plan(tmp, "gpt", "interleaved-zb", 1, "ddp", recompute=True)))  # fmt: skip
+        cases.append(("zb-1p", "gpt", _plan(tmp, "gpt", "interleaved-zb", 1, "ddp", v=1)))
     return run_world(_worker, 2, args=(cases,), timeout_s=WORLD_TIMEOUT_S)
 
 
@@ -131,6 +136,7 @@ def world4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str,
             for s in ZERO_BUBBLE
             for mode in DP_MODES
         ]
+        cases.append(("zb-1p-ddp", "gpt", _plan(tmp, "gpt", "interleaved-zb", 2, "ddp", v=1)))
     return run_world(_worker, 4, args=(cases,), timeout_s=2 * WORLD_TIMEOUT_S)
 
 
@@ -149,6 +155,15 @@ def test_zbv_over_the_fx_split_and_interleaved_zb_recomputing_train_like_one_pro
 ) -> None:
     assert _check(world2, "zbv-fx", "zbv")["method"] == "fx"
     _check(world2, "interleaved-zb-recompute", "interleaved-zb")
+
+
+@pytest.mark.timeout(900)
+def test_zb_1p_trains_like_one_process_alone_and_over_replicas(
+    world2: list[dict[str, dict[str, Any]]], world4: list[dict[str, dict[str, Any]]]
+) -> None:
+    """Interleaved ZB at v 1, one stage per rank: the zero-bubble paper's ZB-1p."""
+    assert _check(world2, "zb-1p", "interleaved-zb")["stages"] == 2
+    assert _check(world4, "zb-1p-ddp", "interleaved-zb")["stages"] == 2
 
 
 @pytest.mark.timeout(900)

@@ -134,11 +134,24 @@ def test_interleaved_is_searched_when_asked_and_its_memory_is_per_rank() -> None
 
 
 def test_max_virtual_adds_the_multi_stage_schedules_to_the_search() -> None:
+    from planner.search.schedules import schedules
+
     res = _search(devices=4, batch=16, pp=4, max_virtual=2, robust_band_pct=0)
     kinds = {(c.schedule, c.virtual) for c in res.candidates}
     assert {("interleaved-1f1b", 2), ("looped-bfs", 2), ("1f1b", 1)} <= kinds
+    assert {("interleaved-zb", 1), ("interleaved-zb", 2), ("zbv", 2)} <= kinds
     best = min(c.step_ms for c in res.candidates if c.step_ms is not None)
     assert res.prediction.step_ms == pytest.approx(best)
+    # What each (pp, dp, m) tries: ZB-1p is Interleaved ZB at v 1; ZB-V and DualPipeV
+    # run exactly two stages per rank; none of them unless asked.
+    tried = {(s, v) for *_, s, v in schedules(4, 1, 8, SearchOptions(max_virtual=3), [], 12)}
+    several = {(s, v) for s in ("interleaved-1f1b", "looped-bfs", "interleaved-zb") for v in (2, 3)}
+    assert tried == {("gpipe", 1), ("1f1b", 1), ("interleaved-zb", 1), ("zbv", 2),
+                     ("dualpipev", 2)} | several  # fmt: skip
+    assert {(s, v) for *_, s, v in schedules(4, 1, 8, SearchOptions(), [], 12)} == {
+        ("gpipe", 1),
+        ("1f1b", 1),
+    }
 
 
 def test_two_stages_that_fit_alone_but_not_together_are_refused() -> None:
