@@ -35,7 +35,8 @@ _FORMAT = 1
 
 @dataclass(frozen=True)
 class Interval(Record):
-    """One timed action: ``kind`` "F", "B", "loss", "tied", "optimizer" or "step".
+    """One timed action: ``kind`` "F", "B", "W" (a split backward's weights' part), "loss",
+    "tied", "optimizer" or "step".
 
     ``start`` and ``end`` are seconds since the recorder started (aligned
     across ranks); ``micro_batch`` is -1 for whole-step actions. ``stage``:
@@ -70,7 +71,8 @@ class RankRecord(Record):
     def durations(
         self, kind: str, steps: set[int], skip_mb: int | None = None, stage: int | None = None
     ) -> list[float]:
-        """Milliseconds of every ``kind`` action in ``steps``; a forward includes its loss.
+        """Milliseconds of every ``kind`` action in ``steps``; a forward includes its loss,
+        a backward its weights' part where the schedule splits it (``W``).
 
         ``skip_mb``: leave out this micro-batch's actions (see ``stage_figures``).
         ``stage``: only this stage's actions (a rank running several stages).
@@ -81,7 +83,7 @@ class RankRecord(Record):
                 continue
             if stage is not None and (iv.stage if iv.stage >= 0 else self.stage) != stage:
                 continue
-            if iv.kind == kind or (kind == "F" and iv.kind == "loss"):
+            if iv.kind == kind or (iv.kind, kind) in (("loss", "F"), ("W", "B")):
                 key = (iv.step, iv.micro_batch)
                 out[key] = out.get(key, 0.0) + iv.ms
         return list(out.values())

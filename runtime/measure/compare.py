@@ -160,7 +160,7 @@ def trace_json(result: Measurement, *, title: str = "measured") -> dict[str, Any
         trace.thread(pid, _THREAD_STEP, "steps", len(stages))
         for iv in r.intervals:
             at = iv.stage if iv.stage >= 0 else r.stage
-            lane = at if iv.kind in ("F", "B", "loss") else _THREAD_STEP
+            lane = at if iv.kind in ("F", "B", "W", "loss") else _THREAD_STEP
             name = f"{iv.kind}{iv.micro_batch}" if iv.micro_batch >= 0 else iv.kind
             if iv.kind == "step":
                 name = f"step {iv.step + 1}"

@@ -17,7 +17,10 @@ only (instance attributes, restored by :meth:`Recorder.close`):
 * ``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``: one call is
   one action of the schedule, ``F k`` / ``B k`` for micro-batch k, its own
   compute only (the schedule waits for received activations or gradients
-  *outside* these calls, so waiting is not counted as work). On the last
+  *outside* these calls, so waiting is not counted as work); under the
+  zero-bubble schedules ``backward_one_chunk`` is the backward's input part
+  and ``backward_weight_one_chunk`` (``W k``) its weights' part, counted
+  together as the micro-batch's backward. On the last
   stage the loss (the schedule's ``_loss_fn``, when present) is timed too and
   counted in the forward, as the planner's prediction counts it;
 * ``ParallelModel.step``: the step's wall time; the optimizer's step through
@@ -163,6 +166,9 @@ class Recorder:
             forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
             self._patch(stage, "forward_one_chunk", self._timed("F", forward, chunk, at))
             self._patch(stage, "backward_one_chunk", self._timed("B", backward, chunk, at))
+            w_part = "backward_weight_one_chunk"  # zero-bubble's W (pp 1's Accumulate: none)
+            if hasattr(stage, w_part):
+                self._patch(stage, w_part, self._timed("W", getattr(stage, w_part), chunk, at))
         loss_fn = getattr(pm.schedule, "_loss_fn", None)  # private: timed when present
         if callable(loss_fn):
 

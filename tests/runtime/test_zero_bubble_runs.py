@@ -22,19 +22,21 @@ steps).
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import yaml
-from dp_mode_runs import ATOL, RTOL, WORLD_TIMEOUT_S, Trainer, plan_file, reference_run
+from dp_mode_runs import ATOL, RTOL, STEPS, WORLD_TIMEOUT_S, Trainer, plan_file, reference_run
 from world import run_world
 
 from planner.options import SearchOptions
 from planner.plan import load_plan
 
 CLIP = 0.05  # below every step's gradient norm here: each step clips
+MEASURED = "zbv"  # also timed: each backward's two parts are one micro-batch's backward
 ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
 DP_MODES = ("ddp", "zero1", "fsdp")
 
@@ -63,15 +65,18 @@ def _worker(cases: list[tuple[str, str, str]]) -> dict[str, dict[str, Any]]:
     import torch.distributed as dist
 
     from runtime.fsdp import whole
+    from runtime.measure.recorder import Recorder
 
     results = {}
     for label, name, path in cases:
         trainer = Trainer(name, path, CLIP, split="fx" if "fx" in label else "auto")
         pm = trainer.run(0)
+        recorder = Recorder(pm, warmup_steps=1) if label == MEASURED else None
         losses, norms = [], []
         for x, y in trainer.batches:
             losses.append(pm.step(x, y))
             norms.append(pm.last_grad_norm)
+        timed = _timed(pm, recorder) if recorder is not None else {}
         out: dict[str, Any] = {
             "losses": losses,
             "norms": norms,
@@ -79,7 +84,7 @@ def _worker(cases: list[tuple[str, str, str]]) -> dict[str, dict[str, Any]]:
             "wrapped": sorted({"fsdp" if s.fsdp else "ddp" if s.ddp else "-" for s in pm.stages}),
             "method": pm.stages[0].method,
             "stages": len(pm.plan.stages),
-        }
+        } | timed
         full = pm.state_dict()
         mine = {k: whole(v).cpu() for k, v in pm.stage_state_dict().items()}
         copies = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -88,6 +93,25 @@ def _worker(cases: list[tuple[str, str, str]]) -> dict[str, dict[str, Any]]:
             out.update(reference_run(name, trainer.reference, trainer.batches, full, copies, CLIP))
         results[label] = out
     return results
+
+
+def _timed(pm: Any, recorder: Any) -> dict[str, Any]:
+    """Per stage of this rank, the micro-batches its timed input (B) and weights' (W)
+    backwards ran for in every step, and (rank 0) its measured backward against the median
+    of its W alone."""
+    result = recorder.gather()
+    mine = recorder.record()
+    recorder.close()
+    out: dict[str, Any] = {}
+    for st in pm.stages:
+        ivs = [iv for iv in mine.intervals if iv.stage == st.index]
+        out[f"B{st.index}"] = sorted(iv.micro_batch for iv in ivs if iv.kind == "B")
+        out[f"W{st.index}"] = sorted(iv.micro_batch for iv in ivs if iv.kind == "W")
+        if result is not None:
+            w_alone = mine.durations("W", set(result.counted), stage=st.index)
+            bwd = result.stage_figures(st.index)["bwd_ms"]
+            out[f"bwd{st.index}"] = (bwd, statistics.median(w_alone))
+    return out
 
 
 TORCH_CLASS = {
@@ -147,6 +171,25 @@ def test_a_zero_bubble_schedule_trains_like_one_process(
 ) -> None:
     root = _check(world2, schedule, schedule)
     assert root["wrapped"] == ["-"] and root["method"] == "pipeline", root
+
+
+@pytest.mark.timeout(600)
+def test_a_split_backward_is_timed_in_both_parts(world2: list[dict[str, dict[str, Any]]]) -> None:
+    """ZB-V, m 4: every stage times an input part (B; stage 0's is empty, torch runs its
+    whole backward as W) and a weights' part (W) per micro-batch of each step, and
+    the stage's measured backward counts both."""
+    every = [mb for _ in range(STEPS) for mb in range(4)]
+    seen = set()
+    for rank in world2:
+        res = rank[MEASURED]
+        for s in range(4):
+            if f"W{s}" in res:
+                seen.add(s)
+                assert res[f"B{s}"] == sorted(every) == res[f"W{s}"], (s, res)
+    assert seen == {0, 1, 2, 3}
+    for s in (0, 3):  # rank 0's stages: its figures are gathered there
+        bwd, w_alone = world2[0][MEASURED][f"bwd{s}"]
+        assert bwd > w_alone > 0, (s, bwd, w_alone)
 
 
 @pytest.mark.timeout(600)
