@@ -16,11 +16,11 @@ def config_text(layout: Any) -> str:
     """A Layout's or a Plan's configuration in words: "pp 4 × dp 2, m 8, 1f1b", with
     ", v 2" after it when it has several stages per rank, ", ZeRO-1" when its replicas
     share the optimizer state out, ", FSDP" when they shard the weights too."""
-    from planner.plan.sections import DP_MODE_NAMES
+    from planner.plan.sections import dp_mode_suffix
 
     text = f"pp {layout.pp} × dp {layout.dp}, m {layout.micro_batches}, {layout.schedule}"
     text += f", v {layout.virtual}" if layout.virtual > 1 else ""
-    return text + (f", {DP_MODE_NAMES[layout.dp_mode]}" if layout.dp_mode != "ddp" else "")
+    return text + dp_mode_suffix(layout.dp_mode)
 
 
 def plan_layout(plan: Any) -> Any:

@@ -184,7 +184,7 @@ def build_stages(
             parts.method,
             sum(1 for _ in module.parameters()),
             sum(p.numel() for p in module.parameters() if p.requires_grad),
-            "FSDP" if is_sharded(wrapped) else "DDP" if wrapped is not module else "no DDP",
+            _replication(wrapped, mesh, plan),
         )
         out.append(
             StageModule(
@@ -200,6 +200,17 @@ def build_stages(
             )
         )
     return tuple(out)
+
+
+def _replication(wrapped: nn.Module, mesh: Mesh, plan: Plan) -> str:
+    """How the stage's replicas keep their gradients in step, for the build's log."""
+    if is_sharded(wrapped):
+        return "FSDP"
+    if isinstance(wrapped, DistributedDataParallel):
+        return "DDP"
+    if reduces_by_hand(plan, mesh.dp):
+        return "gradients averaged by hand (a split backward: no DDP)"
+    return "no DDP"
 
 
 def _torch_stage(parts: Any, s: int, plan: Plan, mesh: Mesh) -> Any:

@@ -301,6 +301,11 @@ class CostBasis:
         tab = self.table(s)
         return (tab.params[j] - tab.params[i]) / self.param_elem
 
+    def held_parameters(self, s: int, i: int, j: int) -> float:
+        """Parameters (a count) stage s holds for blocks [i, j): their own and their tied
+        copies (tied tensors owned by a block elsewhere)."""
+        return self.parameters(s, i, j) + self.tied_copy_bytes(i, j) / self.param_elem
+
     @property
     def sharded(self) -> bool:
         """Whether the replicas share the optimizer state out by whole tensors (ZeRO-1)."""
@@ -327,7 +332,7 @@ class CostBasis:
         profile is older and lists no tensors (then a block's whole parameters stand
         for its largest).
         """
-        n = self.parameters(s, i, j) + self.tied_copy_bytes(i, j) / self.param_elem
+        n = self.held_parameters(s, i, j)
         if self.fsdp:
             return n / self.layout.dp
         if not self.sharded:

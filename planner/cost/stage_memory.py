@@ -155,7 +155,7 @@ class StageMemoryModel:
             new = self._largest(s, i, j) / b.param_elem * b.grads_b
             grads = all_grads
             if b.fsdp and b.cast_b:  # [Note: FSDP as it runs]: those so far kept in bf16
-                whole = n_params + b.tied_copy_bytes(i, j) / b.param_elem
+                whole = b.held_parameters(s, i, j)
                 grads, new = all_grads + whole * b.wire_b, 0.0
             held = recv + later * per_mb + (acts if recompute else 0) + new
             moments.append((grads, held + grad_tmp, "bwd"))

@@ -285,7 +285,7 @@ class StageTime:
         b = self.b
         if b.layout.dp == 1 or b.fsdp:
             return 0.0
-        n_params = b.parameters(s, i, j) + b.tied_copy_bytes(i, j) / b.param_elem
+        n_params = b.held_parameters(s, i, j)
         t = b.cluster.allreduce_time(b.layout.ranks[s], n_params * b.wire_b)
         t += 2 * (b.layout.dp - 1) * self.wakeup_s  # a ring's 2(n − 1) messages
         return t * 1e3 * self.comm_scale * self.calibration.allreduce_scale
@@ -352,7 +352,7 @@ class StageTime:
         b = self.b
         if not b.fsdp:
             return 0.0, 0.0
-        n_params = b.parameters(s, i, j) + b.tied_copy_bytes(i, j) / b.param_elem
+        n_params = b.held_parameters(s, i, j)
         ranks, wait = b.layout.ranks[s], (b.layout.dp - 1) * self.wakeup_s
         scale = 1e3 * self.comm_scale * self.calibration.allreduce_scale
         times = _GLOO_FSDP if b.cluster.backend == "gloo" else (0.5, 0.5)

@@ -34,6 +34,7 @@ __all__ = [
     "StagePlan",
     "StepInputs",
     "TrainingPlan",
+    "dp_mode_suffix",
 ]
 
 
@@ -152,6 +153,16 @@ gradient and its state, the weights gathered for the step's forwards and backwar
 
 DP_MODE_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "fsdp": "FSDP"}
 """Each of ``DP_MODES`` as people write it (reports, messages)."""
+
+
+def dp_mode_suffix(dp_mode: str, before: str = ", ") -> str:
+    """ ", ZeRO-1" or ", FSDP" (``before`` and the mode's name) after a configuration whose
+    replicas share their state out; "" for DDP, the default, named nowhere.
+
+    >>> dp_mode_suffix("fsdp"), dp_mode_suffix("ddp"), dp_mode_suffix("zero1", " ")
+    (', FSDP', '', ' ZeRO-1')
+    """
+    return before + DP_MODE_NAMES[dp_mode] if dp_mode != "ddp" else ""
 
 
 @dataclass(frozen=True, kw_only=True)

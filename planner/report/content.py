@@ -15,7 +15,7 @@ from planner.cost.simulate import replay, simulate
 from planner.devices.cluster_file import from_record
 from planner.plan.records import Calibration
 from planner.plan.schema import Plan
-from planner.plan.sections import DP_MODE_NAMES
+from planner.plan.sections import DP_MODE_NAMES, dp_mode_suffix
 from planner.plan.timeline import Timeline
 from planner.plan.units import GIB, MIB
 from planner.report.format import (
@@ -230,7 +230,7 @@ def _choice(plan: Plan) -> str:
         return f"the fastest predicted step (robust band ±{ch.band_pct:g} %)"
     more = (plan.predicted.step_ms - f.step_ms) / f.step_ms
     return (
-        f"chosen over pp {f.pp} × dp {f.dp}{_dp_name(f.dp_mode, ', ')}, "
+        f"chosen over pp {f.pp} × dp {f.dp}{dp_mode_suffix(f.dp_mode)}, "
         f"m {f.micro_batches}, "
         f"{_schedule(f.schedule, f.virtual)} "
         f"({fmt_ms(f.step_ms)} ms, solver status {f.status} for that configuration): "
@@ -301,7 +301,7 @@ def candidate_rows(plan: Plan) -> list[Row]:
             lo, hi = plan.choice.interval(c.step_ms)
             step += f" ({fmt_ms(lo)}–{fmt_ms(hi)})"
         sched = _schedule(c.schedule, c.virtual)
-        dp = str(c.dp) + _dp_name(c.dp_mode, " ")
+        dp = str(c.dp) + dp_mode_suffix(c.dp_mode, " ")
         cells = [str(c.pp), dp, str(c.micro_batches), sched, step, c.status, c.reason]
         rows.append((cells, "chosen" if c.status == "chosen" else ""))
     return rows
@@ -359,11 +359,6 @@ def _dp_mode(dp_mode: str) -> str:
     if dp_mode not in _DP_MODE_TEXT:
         return ""
     return f", {DP_MODE_NAMES[dp_mode]} ({_DP_MODE_TEXT[dp_mode]})"
-
-
-def _dp_name(dp_mode: str, before: str) -> str:
-    """ "ZeRO-1" or "FSDP" after ``before``; "" for DDP."""
-    return before + DP_MODE_NAMES[dp_mode] if dp_mode != "ddp" else ""
 
 
 def _schedule(name: str, virtual: int, stages: int = 0) -> str:

@@ -39,7 +39,7 @@ from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
 from planner.plan.choice import ChoiceRecord
 from planner.plan.schedule import stage_ranks
-from planner.plan.sections import DP_MODE_NAMES, Candidate
+from planner.plan.sections import Candidate, dp_mode_suffix
 from planner.plan.text import first_line
 from planner.search import baselines
 from planner.search.configurations import (
@@ -275,7 +275,7 @@ def _best_note(solved: list[SearchResult]) -> str:
     r = min(solved, key=lambda r: r.prediction.step_ms)
     lay = r.layout
     v = f" v {lay.virtual}" if lay.virtual > 1 else ""
-    v += f", {DP_MODE_NAMES[lay.dp_mode]}" if lay.dp_mode != "ddp" else ""
+    v += dp_mode_suffix(lay.dp_mode)
     return (
         f"best pp {lay.pp} × dp {lay.dp}, m {lay.micro_batches}, {lay.schedule}{v}: "
         f"{r.prediction.step_ms:.1f} ms"

@@ -9,7 +9,7 @@ from planner.cost.basis import Layout
 from planner.cost.model import CostModel, Prediction
 from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
-from planner.plan.sections import DP_MODE_NAMES, Candidate
+from planner.plan.sections import Candidate, dp_mode_suffix
 from planner.solve.problem import format_bytes
 from planner.solve.step_problem import StepSolution
 
@@ -94,7 +94,7 @@ def nothing_fits(
     failed = [c for c in tried if c.status in ("out_of_memory", "timeout")]
     oom = [c for c in failed if c.status == "out_of_memory"]
     lines = [
-        f"  pp {c.pp} × dp {c.dp}{_mode(c.dp_mode)}, {c.micro_batches} micro-batch"
+        f"  pp {c.pp} × dp {c.dp}{dp_mode_suffix(c.dp_mode)}, {c.micro_batches} micro-batch"
         f"{'es' if c.micro_batches != 1 else ''} ({c.schedule}), {c.reason}"
         for c in failed[: options.keep]
     ]
@@ -135,11 +135,6 @@ _SHARDING = {
     "zero1": "--dp-mode fsdp or auto (FSDP: replicas share the weights and gradients out too), ",
 }
 """The out-of-memory fix a dp mode leaves untried: sharding more (none after fsdp, auto)."""
-
-
-def _mode(dp_mode: str) -> str:
-    """ ", ZeRO-1" or ", FSDP" after a candidate whose replicas shard, "" for DDP."""
-    return f", {DP_MODE_NAMES[dp_mode]}" if dp_mode != "ddp" else ""
 
 
 def _memory_summary(costs: list[CostModel], cluster: Cluster, training: Training) -> str:
