@@ -1,4 +1,5 @@
-"""What the zero-bubble schedules need from a stage: outputs torch may detach in place.
+"""What the zero-bubble schedules need of a stage: outputs torch may detach in place, no
+warm-up messages to its own rank, and its replicas' gradients averaged without DDP.
 
 [Note: a split backward keeps the stage's graph]
 torch's zero-bubble schedules (Interleaved ZB, ZB-V, DualPipeV) split each

@@ -141,7 +141,7 @@ def prune(
     """
     S, m, inf = c.S, c.m, math.inf
     inc = list(incumbent)
-    layers = _first_layers(c, U)
+    layers = _first_layers(c, U, inc)
     count, first = -1, True
     for round_ in range(rounds):
         if round_ > 0 and time.perf_counter() > deadline:
@@ -177,16 +177,26 @@ def prune(
 _Family = list[tuple[float, float, float, float, Table, Table]]
 
 
-def _first_layers(c: SegmentCosts, U: float) -> list[Layer]:
+def _first_layers(c: SegmentCosts, U: float, incumbent: Sequence[int]) -> list[Layer]:
     """Every segment with y ≤ U/m that fits its stage's memory, walked forward so that only
-    reachable starts are walked (any stage forces T ≥ m·y)."""
+    reachable starts are walked (any stage forces T ≥ m·y), and the incumbent's own.
+
+    The walk takes a stage's memory as monotone in its blocks (``SegmentCosts.ends``);
+    where it is not (a shorter run ending at a larger boundary tensor, near the
+    device's capacity: a zero-bubble stage holding its activations until W), the
+    incumbent, which fits, may lie outside the walk: its segments are added, so
+    that the placement ``U`` was measured on is always among the layers.
+    """
     layers: list[Layer] = []
     reach, wcap = {0}, U / c.m * (1 + TOL)
     for s in range(c.S):
         layer: Layer = {}
-        for a in sorted(reach):  # ends lie in s + 1 .. hi(s + 1), the last stage's at K
+        for a in sorted(reach | {incumbent[s]}):  # ends in s + 1 .. hi(s + 1), the last K
             cuts = [(b, c.cut(s, b)) for b in c.ends(s, a, wcap)]
             row = [(b, c.w(s, a, b), cut, -1.0) for b, cut in cuts if cut <= wcap]
+            a_inc, b_inc = incumbent[s], incumbent[s + 1]
+            if a == a_inc and all(seg[0] != b_inc for seg in row):
+                row.append((b_inc, c.w(s, a, b_inc), c.cut(s, b_inc), -1.0))
             if row:
                 layer[a] = row
         layers.append(layer)

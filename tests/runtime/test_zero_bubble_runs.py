@@ -13,7 +13,10 @@ each other, on rank 1 (their tensors pass within the rank).
 World 2 (dp 1): Interleaved ZB, ZB-V, DualPipeV, and ZB-V over the fx split
 (the MLP); also with every stage recomputing (Interleaved ZB), and ZB-1p
 (Interleaved ZB at v 1, one stage per rank). World 4 (dp 2): each schedule
-with DDP, ZeRO-1 and FSDP, and ZB-1p with DDP. With DDP and ZeRO-1 the stages
+with DDP, ZeRO-1 and FSDP, and ZB-1p with DDP; ZB-V with DDP also saves a
+checkpoint and loads it into a run of other starting weights (every rank's
+weights and optimizer state back), and ZB-V at dp 1 is timed (each backward's
+two parts). With DDP and ZeRO-1 the stages
 are not DDP-wrapped and average their gradients by hand after their last
 weight backward ([Note: DDP under a split backward]); without that the
 replicas drift apart (checked by hand: the weights differ by 8e-3 after 3
@@ -37,6 +40,7 @@ from planner.plan import load_plan
 
 CLIP = 0.05  # below every step's gradient norm here: each step clips
 MEASURED = "zbv"  # also timed: each backward's two parts are one micro-batch's backward
+RESUMED = "zbv-ddp"  # also saved and loaded into a fresh run
 ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
 DP_MODES = ("ddp", "zero1", "fsdp")
 
@@ -77,6 +81,8 @@ def _worker(cases: list[tuple[str, str, str]]) -> dict[str, dict[str, Any]]:
             losses.append(pm.step(x, y))
             norms.append(pm.last_grad_norm)
         timed = _timed(pm, recorder) if recorder is not None else {}
+        if label == RESUMED:
+            timed["resumed"] = _resumed(pm, trainer, Path(path).parent / "ckpt")
         out: dict[str, Any] = {
             "losses": losses,
             "norms": norms,
@@ -93,6 +99,23 @@ def _worker(cases: list[tuple[str, str, str]]) -> dict[str, dict[str, Any]]:
             out.update(reference_run(name, trainer.reference, trainer.batches, full, copies, CLIP))
         results[label] = out
     return results
+
+
+def _resumed(pm: Any, trainer: Any, where: Path) -> str:
+    """Save ``pm``, load it into a run of other starting weights: "" when every weight and
+    optimizer state is back, else what differs."""
+    from runtime.checkpoint import load, save
+
+    path = save(pm, where, STEPS)
+    fresh = trainer.run(1)
+    load(fresh, path)
+    mine, back = pm.stage_state_dict(), fresh.stage_state_dict()
+    bad = [k for k, v in mine.items() if not torch.equal(v, back[k])]
+    state = [
+        k for p, q in zip(pm.optimizer.state.values(), fresh.optimizer.state.values(), strict=True)
+        for k in p if not torch.equal(torch.as_tensor(p[k]), torch.as_tensor(q[k]))
+    ]  # fmt: skip
+    return f"weights {bad[:3]}" if bad else f"optimizer state {state[:3]}" if state else ""
 
 
 def _timed(pm: Any, recorder: Any) -> dict[str, Any]:
@@ -218,3 +241,5 @@ def test_a_zero_bubble_schedule_over_replicas_trains_like_one_process(
     root = _check(world4, f"{schedule}-{mode}", schedule)
     # DDP's hooks never see a split backward's weight gradients: by hand instead.
     assert root["wrapped"] == (["fsdp"] if mode == "fsdp" else ["-"]), root["wrapped"]
+    if f"{schedule}-{mode}" == RESUMED:  # a checkpoint loads back on every rank
+        assert [r[RESUMED]["resumed"] for r in world4] == [""] * 4

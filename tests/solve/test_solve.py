@@ -368,3 +368,28 @@ def test_warm_start_must_fit_memory() -> None:
     with pytest.raises(ValueError, match=r"warm_start puts blocks 0..4 on stage 0"):
         solve_partition(p, warm_start=(0, 5))
     assert solve_partition(p, warm_start=(0, 3)).status == "optimal"
+
+
+def test_an_incumbent_beyond_a_memory_dip_is_kept_by_the_pruning() -> None:
+    """A stage's memory need not grow with its blocks (a shorter run can end at a larger
+    boundary tensor): here stage 0 fits [0, 4) but neither [0, 3) nor [0, 5), and stage 1
+    fits only from block 4. The pruning's walk stops at the first run that does not fit;
+    the incumbent, which fits, must survive it (the zero-bubble search on the ResNet over
+    4 A100 + 4 V100 raised "min() arg is an empty sequence" there)."""
+    from planner.solve.prune import prune
+    from planner.solve.segments import SegmentCosts
+
+    problem = PartitionProblem(
+        n_blocks=6,
+        n_stages=2,
+        micro_batches=1,
+        seg_work=lambda s, i, j: float(j - i),
+        seg_memory=lambda s, i, j: 10.0 if s == 0 and j in (3, 5) else float(j - i),
+        capacity=[5.0, 2.0],
+        cut_time=lambda s, j: 0.0 if j == 4 else 100.0,
+        seg_sync=lambda s, i, j: 0.0,
+    )
+    c = SegmentCosts(problem)
+    incumbent = c.indices((0, 4))
+    segs = prune(c, c.objective(incumbent), incumbent)
+    assert list(segs.incumbent) == list(incumbent) and segs.count >= 2
