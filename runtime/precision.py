@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from planner.plan.schema import Plan
 from runtime.options import LEARNING_RATES
+from runtime.wrapper import StageWrapper
 
 __all__ = [
     "PRECISIONS",
@@ -168,7 +169,7 @@ def retype_boundaries(
     ]
 
 
-class SendAs(nn.Module):
+class SendAs(StageWrapper):
     """``module`` whose floating outputs are cast to the dtypes the next stage receives.
 
     A no-op where the dtypes already agree (always on the CPU, where they were
@@ -177,8 +178,7 @@ class SendAs(nn.Module):
     """
 
     def __init__(self, module: nn.Module, dtypes: tuple[torch.dtype | None, ...]) -> None:
-        super().__init__()
-        self.module = module
+        super().__init__(module)
         self.dtypes = dtypes
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -189,12 +189,6 @@ class SendAs(nn.Module):
             for t, d in zip(leaves, self.dtypes, strict=False)
         ]
         return pytree.tree_unflatten(cast + leaves[len(cast) :], spec)
-
-    @property
-    def graph(self) -> torch.fx.Graph:
-        graph = self.module.graph
-        assert isinstance(graph, torch.fx.Graph)
-        return graph
 
 
 def send_as(module: nn.Module, dtypes: tuple[torch.dtype | None, ...]) -> nn.Module:

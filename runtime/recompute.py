@@ -15,14 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from runtime.wrapper import StageWrapper
 
 __all__ = ["Recompute", "maybe_recompute"]
 
 
-class Recompute(nn.Module):
+class Recompute(StageWrapper):
     """``module`` run under activation checkpointing: its activations are recomputed in backward.
 
     Example::
@@ -33,18 +34,8 @@ class Recompute(nn.Module):
     Its parameters are ``module``'s, under the prefix ``module.``.
     """
 
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
-
-    @property
-    def graph(self) -> torch.fx.Graph:
-        graph = self.module.graph
-        assert isinstance(graph, torch.fx.Graph)
-        return graph
 
 
 def maybe_recompute(module: nn.Module, recompute: bool) -> nn.Module:

@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.fx
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from planner.plan.schedule import SPLIT_BACKWARD
 from planner.plan.schema import Plan
 from runtime.mesh import Mesh
+from runtime.wrapper import StageWrapper
 
 __all__ = ["Detachable", "detachable", "reduce_by_hand", "reduces_by_hand", "skip_self_warmup"]
 
@@ -56,13 +56,9 @@ class _Alias(torch.autograd.Function):
         return grad
 
 
-class Detachable(nn.Module):
+class Detachable(StageWrapper):
     """``module`` whose outputs that need a gradient come out as aliases torch may
     detach in place ([Note: a split backward keeps the stage's graph])."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)
@@ -71,12 +67,6 @@ class Detachable(nn.Module):
             _Alias.apply(t) if isinstance(t, Tensor) and t.requires_grad else t for t in leaves
         ]
         return pytree.tree_unflatten(aliased, spec)
-
-    @property
-    def graph(self) -> torch.fx.Graph:
-        graph = self.module.graph
-        assert isinstance(graph, torch.fx.Graph)
-        return graph
 
 
 def detachable(module: nn.Module, schedule: str) -> nn.Module:
