@@ -14,7 +14,9 @@ What runs, and what the cost model (``planner.cost.basis.state_bytes``) prices:
   one autocast forward of the example gives (:func:`retype_boundaries`);
 * gradients are fp32 (they flow back to fp32 leaves); DDP all-reduces them
   in bf16 on the wire (torch's ``bf16_compress_hook``: half the bytes), into
-  fp32 buckets.
+  fp32 buckets; a stage that averages its gradients by hand (the zero-bubble
+  schedules, ``runtime.zero_bubble``) sends them in bf16 too
+  (:func:`mean_all_reduce`).
 
 So with Adam a parameter costs 4 (fp32 weight) + 2 (its bf16 copy) + 4
 (gradient) + 8 (two moments) bytes at the peak.
@@ -40,6 +42,7 @@ __all__ = [
     "autocast",
     "check_training",
     "compress_gradients",
+    "mean_all_reduce",
     "retype_boundaries",
     "send_as",
 ]
@@ -106,6 +109,22 @@ def compress_gradients(wrapped: nn.Module, plan: Plan, group: Any) -> bool:
         return False
     wrapped.register_comm_hook(group, _bf16_allreduce)
     return True
+
+
+def mean_all_reduce(flat: torch.Tensor, group: Any, plan: Plan) -> None:
+    """``flat`` ← its mean over ``group``, in place; on the wire in bf16 where the plan is
+    ``bf16-mixed`` and ``flat`` is fp32, as DDP's hook (:func:`compress_gradients`) sends
+    it and the cost model prices it."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    if plan.precision == "bf16-mixed" and flat.dtype == torch.float32:
+        wire = flat.to(torch.bfloat16).div_(n)
+        dist.all_reduce(wire, group=group)
+        flat.copy_(wire)
+    else:
+        dist.all_reduce(flat, group=group)
+        flat.div_(n)
 
 
 def _bf16_allreduce(group, bucket):  # unannotated: DDP checks a hook's annotations

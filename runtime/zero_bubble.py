@@ -25,6 +25,23 @@ first-step warm-up of the traced stages (``_get_init_p2p_neighbors_ops``) still
 posts a send and a receive to the rank itself, which gloo refuses ("Pair is not
 connected", torch 2.13, tried). :func:`skip_self_warmup` drops those two
 messages from the warm-up; the other neighbours' stay.
+
+[Note: DDP under a split backward]
+DDP reduces a parameter's gradient when autograd produces it inside a
+backward it was told to expect. A split backward's ``W`` runs outside it, so
+DDP never reduces the weights' gradients (pytorch#144530), and a reducer left
+waiting for them fails the next step. With DDP or ZeRO-1 and more than one
+replica (:func:`reduces_by_hand`) a stage is therefore not DDP-wrapped:
+:func:`reduce_by_hand` makes torch's stage average its gradients over its
+replicas right after its last ``W`` of the step (its last full backward, for
+a schedule that ends without one), in one flat all-reduce per dtype. That is
+where, and how big, the simulator prices DDP's all-reduce (after the stage's
+last backward, off the gradients' way back) and the memory model its buckets
+(one flat copy the size of the gradients). Under ``bf16-mixed`` the copy
+crosses the wire in bf16, as DDP's hook sends it
+(``runtime.precision.mean_all_reduce``); that bf16 copy, half the size and
+alive for the all-reduce alone, is not priced (DDP's is one bucket). FSDP needs
+nothing: torch's ``REDUCE_GRAD`` action reduce-scatters.
 """
 
 from __future__ import annotations
@@ -39,6 +56,7 @@ from torch.utils import _pytree as pytree
 from planner.plan.schedule import SPLIT_BACKWARD
 from planner.plan.schema import Plan
 from runtime.mesh import Mesh
+from runtime.precision import mean_all_reduce
 from runtime.wrapper import StageWrapper
 
 __all__ = ["Detachable", "detachable", "reduce_by_hand", "reduces_by_hand", "skip_self_warmup"]
@@ -107,8 +125,7 @@ def reduce_by_hand(stage: Any, module: nn.Module, mesh: Mesh, plan: Plan) -> Non
         for dtype in dict.fromkeys(g.dtype for g in grads):
             same = [g for g in grads if g.dtype == dtype]
             flat = torch.cat([g.reshape(-1) for g in same])
-            dist.all_reduce(flat, group=mesh.dp_group)
-            flat /= mesh.dp
+            mean_all_reduce(flat, mesh.dp_group, plan)  # bf16 on the wire under bf16-mixed
             for g, part in zip(same, flat.split([g.numel() for g in same]), strict=True):
                 g.copy_(part.view_as(g))
 
