@@ -42,6 +42,7 @@ CASES = {  # name: world size, model, pp, schedule, stages per rank, micro-batch
     "pp1-dp2-mlp": (2, "mlp", 1, "gpipe", 1, 2),
     "pp2-dp2-gpt": (4, "gpt", 2, "1f1b", 1, 2),
     "pp2-v2-dp2-gpt": (4, "gpt", 2, "interleaved-1f1b", 2, 4),
+    "pp2-v2-dp2-gpt-looped": (4, "gpt", 2, "looped-bfs", 2, 4),
 }
 
 

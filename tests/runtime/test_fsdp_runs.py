@@ -11,8 +11,8 @@ and a checkpoint of the run to load back into a fresh one with every shard of
 weights and optimizer state equal, and into a run of the DDP twin of the plan
 (each parameter whole) with the gathered values. World 2: pp 1 × dp 2 (the
 model itself, gradients accumulated over 2 micro-batches); world 4: pp 2 × dp 2
-(1F1B) and pp 2 × v 2 × dp 2 (Interleaved 1F1B, two stages per rank), the GPT
-with its tied embedding and head.
+(1F1B) and pp 2 × v 2 × dp 2 (Interleaved 1F1B and Looped BFS, two stages per
+rank), the GPT with its tied embedding and head.
 """
 
 from __future__ import annotations

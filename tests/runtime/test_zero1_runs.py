@@ -11,8 +11,8 @@ into a fresh one with every rank's optimizer state and weights equal, and into
 a run of the DDP twin of the plan with every rank holding the state of all its
 stages' parameters (its own share's equal to what it stepped). World 2:
 pp 1 × dp 2 (the model itself under DDP); world 4: pp 2 × dp 2 (1F1B), and
-pp 2 × v 2 × dp 2 (Interleaved 1F1B, two stages per rank), the GPT with its
-tied embedding and head.
+pp 2 × v 2 × dp 2 (Interleaved 1F1B and Looped BFS, two stages per rank), the
+GPT with its tied embedding and head.
 """
 
 from __future__ import annotations
