@@ -12,7 +12,9 @@ a run of the DDP twin of the plan with every rank holding the state of all its
 stages' parameters (its own share's equal to what it stepped). World 2:
 pp 1 × dp 2 (the model itself under DDP); world 4: pp 2 × dp 2 (1F1B), and
 pp 2 × v 2 × dp 2 (Interleaved 1F1B and Looped BFS, two stages per rank), the
-GPT with its tied embedding and head.
+GPT with its tied embedding and head. A pp 1 × dp 2 checkpoint also loads, with
+``reshard``, into a pp 2 × dp 1 run: each stage whole on one rank, with the
+saved weights and every parameter's state as the replica that stepped it had it.
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ from dp_mode_runs import (
     STEPS,
     WORLD_TIMEOUT_S,
     Trainer,
+    plan_file,
+    planned,
     reference_run,
     trained_like_one_process,
 )
+from world import run_world
+
+from planner.options import SearchOptions
 
 pytestmark = pytest.mark.multiprocess
 
@@ -127,3 +134,51 @@ def test_zero1_trains_like_one_process_on_disjoint_shares_and_resumes_exactly(
         shares = [r["stepped"] for r in replicas]
         assert len(shares) == 2 and all(0 < len(s) < len(every) for s in shares), shares
         assert sorted(n for s in shares for n in s) == every, (stage, shares)
+
+
+def _resharded_worker(plan_path: str, name: str, pp2_path: str) -> str:
+    """Train the ZeRO-1 plan, save; load into the pp 2 × dp 1 plan with ``reshard``: "" when
+    this rank's stage holds the saved weights and every parameter's optimizer state (each
+    saved by the replica that stepped it), else what differs."""
+    import torch.distributed as dist
+
+    from runtime.checkpoint import load, save
+
+    def state(pm: Any) -> dict[str, torch.Tensor]:
+        names = _named(pm)
+        return {
+            f"{names[id(p)].split(':', 1)[1]}.{key}": torch.as_tensor(v).detach().clone()
+            for p, st in pm.optimizer.state.items() for key, v in st.items()
+        }  # fmt: skip
+
+    trainer = Trainer(name, plan_path)
+    pm = trainer.run(0)
+    for x, y in trainer.batches:
+        pm.step(x, y)
+    path = save(pm, Path(plan_path).parent / "ckpt-reshard", STEPS)
+    shares: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, state(pm))
+    want = {k: v for share in shares for k, v in share.items()}
+    weights = {k: v.detach().clone() for k, v in pm.stage_state_dict().items()}
+    other = trainer.run(2, pp2_path)
+    load(other, path, reshard=True)
+    got = state(other)
+    every = {n.split(":", 1)[1] for n in _trainable(other)}
+    if {k.rsplit(".", 1)[0] for k in got} != every or not set(got) <= set(want):
+        return f"optimizer state {sorted(got)[:4]}, saved {sorted(want)[:4]}"
+    bad = [k for k, v in got.items() if not torch.equal(v, want[k])]
+    bad += [k for k, v in other.stage_state_dict().items() if not torch.equal(v, weights[k])]
+    return f"differ: {bad[:3]}" if bad else ""
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
+def test_a_zero1_checkpoint_reshards_into_a_pipeline_of_another_dp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pp 1 × dp 2 (each replica steps a share) saved, resumed as pp 2 × dp 1 (DDP)."""
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
+    zero1 = planned("pp1-dp2-mlp", tmp_path, "zero1")
+    pipeline = SearchOptions(pp=2, dp=1, micro_batches=2, schedule="gpipe")
+    pp2 = plan_file("mlp", 2, pipeline, tmp_path / "pp2.yaml")
+    got = run_world(_resharded_worker, 2, args=(zero1, "mlp", pp2), timeout_s=WORLD_TIMEOUT_S)
+    assert got == ["", ""]
