@@ -45,13 +45,13 @@ from planner.profile.ownership import Owners, param_nbytes, saved_bytes
 from planner.profile.repeats import priced
 from planner.profile.runner import BlockRunner, analytic_loss_ms, forward_pass, requires_grad
 from planner.profile.state import preserved, threads_set
-from planner.profile.timing import Progress, interpreter_ms, measure_blocks
+from planner.profile.timing import Progress, measure_blocks
 
 __all__ = ["profile_chain", "profile_model"]
 
 log = logging.getLogger(__name__)
 
-_SEMANTICS = "structural fingerprint, saved-bytes-by-producer, interpreted forward, split check"
+_SEMANTICS = "structural fingerprint, saved-bytes-by-producer, generated-code forward, split check"
 """Part of the cache key: bump it when a figure's meaning changes (old entries then miss)."""
 
 
@@ -199,7 +199,6 @@ class _Times:
     whole_ms: tuple[float | None, float | None] = (None, None)
     repeats: int = 0
     load_note: str | None = None
-    interpreted_ms: float | None = None
     check: SplitCheck | None = None
 
 
@@ -228,7 +227,7 @@ def profile_chain(
         needs_grad = requires_grad(cap)
         runners = [BlockRunner(cap, b, values, needs_grad) for b in chain.blocks]
         loss = checked_loss(loss_fn, cap)  # a data-dependent batch size, explained
-        times = _times(model, cap, chain, runners, values, device, targets, loss, options, progress)
+        times = _times(model, cap, chain, runners, device, targets, loss, options, progress)
     # Every byte figure is in the profile's dtype: an analytic bf16 profile of an
     # fp32 model halves parameters as well as activations, so that the cost
     # model's bytes / dtype size gives the parameter count.
@@ -264,7 +263,6 @@ def _times(
     cap: Captured,
     chain: BlockChain,
     runners: list[BlockRunner],
-    values: dict[Any, Any],
     device: Device,
     targets: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
@@ -281,7 +279,7 @@ def _times(
         fwd_ms, bwd_ms = [c.time_s * 1e3 for c in fwd], [c.time_s * 1e3 for c in bwd]
         return _Times(fwd, bwd, fwd_ms, bwd_ms, loss_ms=loss)
     got = measure_blocks(model, cap, runners, targets, loss_fn, options, progress)
-    times = _Times(
+    return _Times(
         fwd,
         bwd,
         got.fwd_ms,
@@ -292,11 +290,6 @@ def _times(
         load_note=got.load_note,
         check=got.check,
     )
-    if device.kind == "cpu":
-        extra = interpreter_ms(cap, values, chain)
-        times.fwd_ms = [f + x for f, x in zip(times.fwd_ms, extra, strict=True)]
-        times.interpreted_ms = sum(extra)
-    return times
 
 
 def _block_costs(
@@ -335,11 +328,6 @@ def _notes(chain: BlockChain, cap: Captured, times: _Times) -> tuple[str, ...]:
     notes = [f"excluded split point {e.fqn}: {e.reason}" for e in chain.excluded]
     if times.load_note:
         notes.append(times.load_note)
-    if times.interpreted_ms is not None:
-        notes.append(
-            f"forward times include {times.interpreted_ms:.2f} ms of torch.fx.Interpreter "
-            "overhead (the runtime's stage modules run interpreted; see planner.profile.timing)"
-        )
     if cap.export_error:
         notes.append(f"captured with symbolic_trace; torch.export said: {cap.export_error}")
     return tuple(notes)

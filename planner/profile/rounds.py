@@ -183,9 +183,8 @@ def split_check(
     totals are therefore summarised alike, by the fastest kept round of each:
     the least disturbed reading of the same work. The medians stay the
     per-block figures (a cost is what a block takes as a rule, not at best).
-    The blocks are as timed: the interpreter charge ([Note: interpreter
-    overhead]) is added to the profile's forward times later and is no part
-    of the check, since the whole graph runs as generated code, as the blocks do.
+    The blocks and the whole graph both run as generated code, as the
+    runtime's stages do.
     """
     loss = [f + b for f, b in zip(times.loss_f, times.loss_b, strict=True)] or [0.0] * len(
         times.whole_f

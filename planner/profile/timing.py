@@ -5,8 +5,9 @@ see the same machine load; ``warmup`` rounds first, then at least ``repeats``
 timed ones ([Note: adaptive repeats], [Note: quiet rounds]); the median of the
 kept rounds is each figure, less the timing harness's own cost ([Note: harness
 overhead]). The whole-model figure checks that splitting did not distort the
-cost. :func:`interpreter_ms` prices the runtime's interpreted stages ([Note:
-interpreter overhead]).
+cost. The blocks run as generated code, as the runtime's stages do ([Note: the
+stages run generated code] in ``runtime.split.pipeline``): no interpreter is
+priced.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 import torch.fx
 from torch import nn
 
-from planner.capture.blocks import BlockChain
 from planner.capture.trace import Captured
 from planner.options import ProfileOptions
 from planner.plan.progress import Progress
@@ -36,7 +36,6 @@ __all__ = [
     "Measured",
     "Progress",
     "RoundLoad",
-    "interpreter_ms",
     "measure_blocks",
 ]
 
@@ -251,43 +250,6 @@ def _harness_overhead(rounds: int = 60) -> tuple[float, float]:
         fwd.append((t1 - t0) * 1e3)
         bwd.append((t2 - t1) * 1e3)
     return statistics.median(fwd[10:]), statistics.median(bwd[10:])
-
-
-def interpreter_ms(
-    cap: Captured, values: dict[torch.fx.Node, Any], chain: BlockChain, rounds: int = 7
-) -> list[float]:
-    """Per block, the ms that running its nodes through ``torch.fx.Interpreter`` adds.
-
-    [Note: interpreter overhead] The runtime's stage modules (``pipeline()``'s
-    unflattened export modules) run their graphs with a new
-    ``torch.fx.Interpreter`` per call: building it (last uses of every value)
-    and stepping through the nodes in Python costs some 20 µs per node here,
-    1-2 ms per forward of a CNN stage, where the block timings (generated code)
-    spend none. It is timed by replaying the whole graph with every op's result
-    taken from ``values`` (only the interpreter's own work is left) and shared
-    among the blocks by their node counts. Added to measured CPU forward times;
-    on a GPU it overlaps the kernels.
-    """
-    current: list[torch.fx.Node] = []
-
-    class _Replay(torch.fx.Interpreter):
-        def run_node(self, n: torch.fx.Node) -> Any:
-            current[:] = [n]
-            return super().run_node(n)
-
-        def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-            return values[current[0]]
-
-        call_method = call_function
-        call_module = call_function
-
-    spent = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        _Replay(cap.gm).run(*cap.flat_inputs)
-        spent.append(time.perf_counter() - t0)
-    per_node = statistics.median(spent[1:]) * 1e3 / max(1, sum(len(b.nodes) for b in chain.blocks))
-    return [per_node * len(b.nodes) for b in chain.blocks]
 
 
 def _time_loss(

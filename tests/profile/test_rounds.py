@@ -115,8 +115,8 @@ def _profile(check: SplitCheck | None, fwd_extra: float = 0.0) -> ModelProfile:
     )
 
 
-def test_the_check_line_leaves_the_interpreter_charge_out() -> None:
-    # The profile's forward carries 2 ms of interpreter charge the whole model never pays.
+def test_the_check_line_compares_the_rounds_totals_not_the_blocks_times() -> None:
+    # The blocks' forward times (5 ms) are not what the check compares: the rounds' are.
     check = SplitCheck(blocks_ms=9.0, whole_ms=9.3, rounds=10, kept=10, quiet=10)
     line = check_line(_profile(check, fwd_extra=2.0))
     assert "-3.2%" in line and "within ±10%" in line and "fastest of 10 quiet rounds" in line
