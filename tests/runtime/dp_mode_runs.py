@@ -30,6 +30,7 @@ __all__ = [
     "plan_file",
     "planned",
     "reference_run",
+    "resharded",
     "trained_like_one_process",
 ]
 
@@ -160,3 +161,12 @@ def trained_like_one_process(
             msg=lambda m, r=rank: f"rank {r} losses: {m}",
         )  # fmt: skip
     return ranks
+
+
+def resharded(worker: Callable[[str, str, str], str], tmp: Path, dp_mode: str) -> list[str]:
+    """The MLP at pp 1 × dp 2 in ``dp_mode`` and at pp 2 × dp 1 (GPipe) planned, and
+    ``worker(that plan, "mlp", the pp 2 plan)`` run on 2 ranks: each rank's answer."""
+    source = planned("pp1-dp2-mlp", tmp, dp_mode)
+    pipeline = SearchOptions(pp=2, dp=1, micro_batches=2, schedule="gpipe")
+    pp2 = plan_file("mlp", 2, pipeline, tmp / "pp2.yaml")
+    return run_world(worker, 2, args=(source, "mlp", pp2), timeout_s=WORLD_TIMEOUT_S)

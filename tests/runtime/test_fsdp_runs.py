@@ -29,14 +29,10 @@ from dp_mode_runs import (
     STEPS,
     WORLD_TIMEOUT_S,
     Trainer,
-    plan_file,
-    planned,
     reference_run,
+    resharded,
     trained_like_one_process,
 )
-from world import run_world
-
-from planner.options import SearchOptions
 
 CLIP = 0.05  # below every step's gradient norm here: each step clips (the norm over shards)
 
@@ -178,10 +174,4 @@ def test_an_fsdp_checkpoint_reshards_into_a_pipeline_of_another_dp(
 ) -> None:
     """pp 1 × dp 2 (FSDP shards) saved, resumed as pp 2 × dp 1 (each stage whole on one rank)."""
     monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
-    fsdp = planned("pp1-dp2-mlp", tmp_path, "fsdp")
-    pipeline = SearchOptions(pp=2, dp=1, micro_batches=2, schedule="gpipe")
-    pp2 = plan_file("mlp", 2, pipeline, tmp_path / "pp2.yaml")
-    assert run_world(_resharded_worker, 2, args=(fsdp, "mlp", pp2), timeout_s=WORLD_TIMEOUT_S) == [
-        "",
-        "",
-    ]
+    assert resharded(_resharded_worker, tmp_path, "fsdp") == ["", ""]

@@ -29,14 +29,10 @@ from dp_mode_runs import (
     STEPS,
     WORLD_TIMEOUT_S,
     Trainer,
-    plan_file,
-    planned,
     reference_run,
+    resharded,
     trained_like_one_process,
 )
-from world import run_world
-
-from planner.options import SearchOptions
 
 pytestmark = pytest.mark.multiprocess
 
@@ -177,8 +173,4 @@ def test_a_zero1_checkpoint_reshards_into_a_pipeline_of_another_dp(
 ) -> None:
     """pp 1 × dp 2 (each replica steps a share) saved, resumed as pp 2 × dp 1 (DDP)."""
     monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
-    zero1 = planned("pp1-dp2-mlp", tmp_path, "zero1")
-    pipeline = SearchOptions(pp=2, dp=1, micro_batches=2, schedule="gpipe")
-    pp2 = plan_file("mlp", 2, pipeline, tmp_path / "pp2.yaml")
-    got = run_world(_resharded_worker, 2, args=(zero1, "mlp", pp2), timeout_s=WORLD_TIMEOUT_S)
-    assert got == ["", ""]
+    assert resharded(_resharded_worker, tmp_path, "zero1") == ["", ""]
