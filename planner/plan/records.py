@@ -116,8 +116,7 @@ class SplitCheck(Record):
 
     Attributes:
         blocks_ms: Σ over blocks of forward + backward as timed, plus the loss,
-            in the least disturbed kept round (the interpreter charge the profile
-            adds to forward times is no part of it).
+            in the least disturbed kept round.
         whole_ms: the whole model's forward + backward plus the same loss, in
             its least disturbed kept round.
         rounds: timed rounds run.
