@@ -30,7 +30,9 @@ __all__ = [
     "plan_file",
     "planned",
     "reference_run",
+    "reshard_differences",
     "resharded",
+    "resharded_run",
     "trained_like_one_process",
 ]
 
@@ -170,3 +172,30 @@ def resharded(worker: Callable[[str, str, str], str], tmp: Path, dp_mode: str) -
     pipeline = SearchOptions(pp=2, dp=1, micro_batches=2, schedule="gpipe")
     pp2 = plan_file("mlp", 2, pipeline, tmp / "pp2.yaml")
     return run_world(worker, 2, args=(source, "mlp", pp2), timeout_s=WORLD_TIMEOUT_S)
+
+
+def resharded_run(plan_path: str, name: str, pp2_path: str) -> tuple[Any, Any]:
+    """(``plan_path``'s run trained, a run of ``pp2_path`` loaded from its checkpoint with
+    ``reshard``); a worker of :func:`resharded`."""
+    from runtime.checkpoint import load, save
+
+    trainer = Trainer(name, plan_path)
+    pm = trainer.run(0)
+    for x, y in trainer.batches:
+        pm.step(x, y)
+    path = save(pm, Path(plan_path).parent / "ckpt-reshard", STEPS)
+    other = trainer.run(2, pp2_path)
+    load(other, path, reshard=True)
+    return pm, other
+
+
+def reshard_differences(
+    want: dict[str, torch.Tensor], got: dict[str, torch.Tensor], weights: dict[str, Any], other: Any
+) -> str:
+    """ "" when ``other`` holds optimizer state ``got`` ⊆ the saved ``want``, equal, and the
+    saved ``weights``; else what differs."""
+    if not got or not set(got) <= set(want):
+        return f"optimizer state {sorted(got)[:4]}, saved {sorted(want)[:4]}"
+    bad = [k for k, v in got.items() if not torch.equal(v, want[k])]
+    bad += [k for k, v in other.stage_state_dict().items() if not torch.equal(v, weights[k])]
+    return f"differ: {bad[:3]}" if bad else ""

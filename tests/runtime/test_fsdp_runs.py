@@ -30,7 +30,9 @@ from dp_mode_runs import (
     WORLD_TIMEOUT_S,
     Trainer,
     reference_run,
+    reshard_differences,
     resharded,
+    resharded_run,
     trained_like_one_process,
 )
 
@@ -148,24 +150,13 @@ def test_fsdp_trains_like_one_process_on_shards_and_resumes_exactly(
 def _resharded_worker(plan_path: str, name: str, pp2_path: str) -> str:
     """Train the FSDP plan, save; load into the pp 2 × dp 1 plan with ``reshard``: "" when
     this rank's stage holds the gathered weights and optimizer state, else what differs."""
-    from runtime.checkpoint import load, save
     from runtime.fsdp import whole
 
-    trainer = Trainer(name, plan_path)
-    pm = trainer.run(0)
-    for x, y in trainer.batches:
-        pm.step(x, y)
-    path = save(pm, Path(plan_path).parent / "ckpt-reshard", STEPS)
+    pm, other = resharded_run(plan_path, name, pp2_path)
     want = {k.split(":", 1)[1]: v for k, v in _state(pm, gather=True).items()}
     weights = {k: whole(v) for k, v in pm.stage_state_dict().items()}
-    other = trainer.run(2, pp2_path)
-    load(other, path, reshard=True)
     got = {k.split(":", 1)[1]: v for k, v in _state(other, gather=False).items()}
-    if not got or not set(got) <= set(want):
-        return f"optimizer state {sorted(got)[:4]}, saved {sorted(want)[:4]}"
-    bad = [k for k, v in got.items() if not torch.equal(v, want[k])]
-    bad += [k for k, v in other.stage_state_dict().items() if not torch.equal(v, weights[k])]
-    return f"differ: {bad[:3]}" if bad else ""
+    return reshard_differences(want, got, weights, other)
 
 
 @pytest.mark.timeout(WORLD_TIMEOUT_S + 60)

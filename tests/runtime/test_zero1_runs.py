@@ -30,7 +30,9 @@ from dp_mode_runs import (
     WORLD_TIMEOUT_S,
     Trainer,
     reference_run,
+    reshard_differences,
     resharded,
+    resharded_run,
     trained_like_one_process,
 )
 
@@ -138,8 +140,6 @@ def _resharded_worker(plan_path: str, name: str, pp2_path: str) -> str:
     saved by the replica that stepped it), else what differs."""
     import torch.distributed as dist
 
-    from runtime.checkpoint import load, save
-
     def state(pm: Any) -> dict[str, torch.Tensor]:
         names = _named(pm)
         return {
@@ -147,24 +147,15 @@ def _resharded_worker(plan_path: str, name: str, pp2_path: str) -> str:
             for p, st in pm.optimizer.state.items() for key, v in st.items()
         }  # fmt: skip
 
-    trainer = Trainer(name, plan_path)
-    pm = trainer.run(0)
-    for x, y in trainer.batches:
-        pm.step(x, y)
-    path = save(pm, Path(plan_path).parent / "ckpt-reshard", STEPS)
+    pm, other = resharded_run(plan_path, name, pp2_path)
     shares: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(shares, state(pm))
     want = {k: v for share in shares for k, v in share.items()}
-    weights = {k: v.detach().clone() for k, v in pm.stage_state_dict().items()}
-    other = trainer.run(2, pp2_path)
-    load(other, path, reshard=True)
     got = state(other)
     every = {n.split(":", 1)[1] for n in _trainable(other)}
-    if {k.rsplit(".", 1)[0] for k in got} != every or not set(got) <= set(want):
-        return f"optimizer state {sorted(got)[:4]}, saved {sorted(want)[:4]}"
-    bad = [k for k, v in got.items() if not torch.equal(v, want[k])]
-    bad += [k for k, v in other.stage_state_dict().items() if not torch.equal(v, weights[k])]
-    return f"differ: {bad[:3]}" if bad else ""
+    if {k.rsplit(".", 1)[0] for k in got} != every:
+        return f"optimizer state {sorted(got)[:4]}, the stage trains {sorted(every)[:4]}"
+    return reshard_differences(want, got, pm.stage_state_dict(), other)
 
 
 @pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
