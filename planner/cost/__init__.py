@@ -4,7 +4,8 @@
 compute, sends, all-reduce, tied exchange, optimizer step), ``stage_memory``
 (a stage's peak, by kind), ``model`` (:class:`CostModel`: segments for the
 solver, :meth:`CostModel.predict` for a placement), ``simulate`` (the step's
-timeline, the only producer of one), ``step_time`` (the closed form, bounds).
+timeline, the only producer of one), ``step_time`` (the closed form, bounds),
+``segment_bound`` (bounds per segment, for the step solver).
 
 Pure: no torch, no PuLP.
 """

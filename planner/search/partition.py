@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.cost.model import CostModel
+from planner.cost.segment_bound import SegmentBound
 from planner.cost.step_graph import FIGURES, Node, step_graph
-from planner.cost.step_time import SegmentBound
 from planner.solve.problem import PartitionProblem
 from planner.solve.step_problem import GraphNode, Row, StepProblem, Term
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.cost import simulate, work_bound
+from planner.cost.segment_bound import SegmentBound
 from planner.cost.step_graph import step_graph
-from planner.cost.step_time import SegmentBound
 
 
 def test_the_graph_of_a_small_gpipe_step() -> None:
