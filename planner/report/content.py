@@ -127,7 +127,7 @@ def _solver(plan: Plan) -> str:
     elif sv.status == "optimal":
         how = _METHODS.get(sv.method, sv.method)
         text = "step proven optimal for this configuration" + (f" ({how})" if how else "")
-    elif sv.status == "bounded" and sv.method == "milp":
+    elif sv.status == "bounded" and sv.method in ("milp", "bounds"):
         text = f"step within {gap} of optimal for this configuration{bound} (no proof: {sv.note})"
     elif sv.status == "bounded":
         text = (

@@ -39,6 +39,12 @@ def plan_warnings(
             f"{sol.gap:.2%} of the best possible (≥ {sol.bound:.4g} ms); raise --time-limit "
             "for a proof"
         )
+    elif sol.status == "bounded" and sol.method == "bounds" and sol.gap > 0:
+        out.append(
+            f"the placement is not proven optimal: its step {sol.step:.4g} ms is proven within "
+            f"{sol.gap:.2%} of the best possible (≥ {sol.bound:.4g} ms) by the segment bounds, "
+            f"and {sol.detail}; a larger --time-limit builds it"
+        )
     elif sol.status == "bounded" and sol.method == "milp":
         out.append(
             f"the solver ended without proving the placement optimal ({sol.detail}): its step "

@@ -11,7 +11,8 @@
    their largest segment bound reaches U, that proves it: no MILP is needed.
 3. Few placements left: every one is evaluated (proven by enumeration;
    bounded problems allow more work, ``PROVE_WORK``, where they are to be
-   proven). Otherwise the step MILP ([Note: the step MILP]) is solved.
+   proven). Otherwise the step MILP ([Note: the step MILP]) is solved, where the time
+   left is enough for its size (``MILP_SIZE_PER_S``; else the bounds' gap stands).
 4. An exact problem is then done: the MILP minimised the step itself. For a
    bounded one the MILP's optimum is a lower bound; its placement is polished
    too, and the MILP is solved again without the placements already evaluated
@@ -35,55 +36,27 @@ import pulp
 
 from planner.solve.ilp import MILP_MIN_S, MIP_REL_GAP, Outcome, pick_solver, run_cbc, run_highs
 from planner.solve.problem import PartitionInfeasible, PartitionTimeout
+from planner.solve.step_budgets import (
+    BOUND_NODES,
+    ENUMERATE_MAX,
+    ENUMERATE_WORK,
+    GAP_ROUNDS,
+    MILP_SIZE_PER_S,
+    POLISH_BUDGET,
+    PROVE_POLISH,
+    PROVE_WORK,
+    RESTARTS,
+    ROUND_SEGMENTS,
+    TIGHTEN_ROUNDS,
+)
 from planner.solve.step_ilp import build_step_ilp, chosen, milp_bound
 from planner.solve.step_polish import polish
 from planner.solve.step_problem import StepProblem, StepSolution, StepStatus
 from planner.solve.step_table import Layers, StepTable
 
-__all__ = [
-    "ENUMERATE_MAX",
-    "ENUMERATE_WORK",
-    "GAP_ROUNDS",
-    "POLISH_BUDGET",
-    "PROVE_POLISH",
-    "PROVE_WORK",
-    "RESTARTS",
-    "ROUND_SEGMENTS",
-    "TIGHTEN_ROUNDS",
-    "solve_step",
-]
+__all__ = ["solve_step"]
 
 log = logging.getLogger(__name__)
-
-ENUMERATE_MAX = 48
-"""Placements at most that are evaluated one by one instead of solving the MILP (exact problems)."""
-ENUMERATE_WORK = 100_000
-"""Work at most spent on enumerating a bounded problem's placements, counted as each
-placement's graph nodes + 16 (a simulation costs about 0.3 ms + 20 µs a node on a shared
-2-core machine: about 2 s). Counted, not timed: the same inputs give the same plan."""
-POLISH_BUDGET = 400
-"""Evaluations at most spent on moving split points (bounded problems; 6 per block if more)."""
-PROVE_WORK = 1_000_000
-"""``ENUMERATE_WORK`` of a bounded problem solved with ``prove=True`` (the configuration a
-plan keeps): about 10 to 20 s, which proves a 50-block chain on 4 stages optimal outright.
-Its graph bounds rank its placements too poorly to stop early (a ResNet's best was the
-15 200th of 18 834)."""
-PROVE_POLISH = 4
-"""How many times the budget the configuration a plan keeps is polished with."""
-TIGHTEN_ROUNDS = 4  # placements at the segment bounds' bottleneck evaluated, at most
-RESTARTS = 8
-"""Random placements the kept configuration is also polished from."""
-BOUND_NODES = 400
-"""Branch-and-bound nodes at most of a bounded problem's MILP: its job is a bound (valid
-wherever the search stops) and a placement to polish, not a proof (HiGHS; a count, so
-the same inputs stop at the same place). A 24-layer GPT on 4 stages of shared cores took
-6 s per solve without it."""
-GAP_ROUNDS = 3
-"""MILP solves at most spent raising a bounded problem's bound (no-good rows), after the first."""
-ROUND_SEGMENTS = 10_000
-"""Candidate stages at most of a MILP that gets no-good rounds: each round excludes one
-placement, and one of a 148-block chain on 8 stages (49 319 candidate stages, 10^11
-placements) cost about 10 s."""
 
 
 def solve_step(
@@ -136,7 +109,8 @@ def solve_step(
     run.ceiling = ceiling
     starts = iter(warm_starts)
     run.offer_first(starts)  # the cheapest warm start (or why nothing fits)
-    prunable = ceiling is not None and problem.exact and run.best is not None
+    # Pruned against the ceiling only when the first warm start is not already below it.
+    prunable = ceiling is not None and problem.exact and run.best is not None and ceiling < run.U
     if prunable and run.t.count(run.t.layers(ceiling or 0.0)) == 0:  # nothing reaches it
         run.pruned_at = ceiling  # answer with that placement
         note = f"no placement at or below {ceiling:.6g} ms (proven by the segment bounds)"
@@ -319,8 +293,17 @@ class _Run:
         return outcome
 
     def milp(self, layers: Layers) -> StepSolution:
-        if self.deadline - time.perf_counter() < MILP_MIN_S:  # the bounds' floor stands
+        left = self.deadline - time.perf_counter()
+        if left < MILP_MIN_S:  # the bounds' floor stands
             return self.answer("time_limit", self.floor, "bounds", "time limit before the MILP")
+        size = self.n_segments * len(self.t.p.nodes)
+        if self.t.p.exact and size > MILP_SIZE_PER_S * left:
+            note = (
+                f"the step MILP ({self.n_segments} candidate stages × {len(self.t.p.nodes)} "
+                f"graph nodes) is too large to close the gap in the {left:.0f} s left "
+                f"(MILP_SIZE_PER_S): not built"
+            )
+            return self.answer("bounded", self.floor, "bounds", note)
         c = self.ceiling
         ceiling = c if c is not None and self.t.p.exact and c < self.U else None
         start = None if self.pruned_at is not None else self.best  # not among the layers

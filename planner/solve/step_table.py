@@ -47,7 +47,7 @@ class StepTable:
         self._cut: dict[tuple[int, int], tuple[float, ...]] = {}
         self._mem: dict[tuple[int, int, int], float] = {}
         self._bound: dict[tuple[int, int, int], float] = {}
-        self.limit = math.inf  # the bounds hold for placements at or below it
+        self.limit = math.inf  # the bounds hold for placements at or below it (inf: none yet)
 
     # ----------------------------------------------------------------- memoised figures
 
@@ -152,10 +152,11 @@ class StepTable:
         (both non-decreasing in the end).
         """
         S, K, limit = self.S, self.K, U + TOL * max(1.0, abs(U))
-        if limit != self.limit:  # [Note: bounds under a limit]
+        bounded = math.isfinite(limit)  # no limit: nothing to prune by bound
+        if bounded and (limit > self.limit or not math.isfinite(self.limit)):
+            # [Note: bounds under a limit]: kept for lower limits, which they hold for too
             self.limit = limit
             self._bound.clear()
-        bounded = math.isfinite(limit)  # no limit: nothing to prune by bound
         must = {(s, idx[s], idx[s + 1]) for idx in keep for s in range(S)}
         out: Layers = []
         reach = {0: 0.0}  # start -> the least largest bound of a path reaching it

@@ -196,6 +196,27 @@ def test_case13_solver_time_limit(env: Env) -> None:
     assert "time limit: best found in 30 s, gap 5.0 %; none can be faster than" in out
 
 
+def test_case13_a_milp_too_large_for_the_limit(env: Env) -> None:
+    """The step MILP left unbuilt for its size: the plan keeps the bounds' gap and says how
+    to get the MILP (a larger limit)."""
+    model = env.write(MLP)
+    detail = (
+        "the step MILP (41382 candidate stages × 16320 graph nodes) is too large to close "
+        "the gap in the 51 s left (MILP_SIZE_PER_S): not built"
+    )
+    _with_status(env, gap=0.02, status="bounded", method="bounds", detail=detail)
+    plan, out = env.planned(model, "--gpus", 2, *A100, "--pp", 2)
+    assert plan.solver.status == "bounded" and plan.solver.method == "bounds"
+    assert any(
+        "is proven within 2.00% of the best possible" in w
+        and f"by the segment bounds, and {detail}; a larger --time-limit builds it" in w
+        for w in plan.warnings
+    ), plan.warnings
+    flat = " ".join(out.split())  # the report folds long lines
+    assert "step within 2.0 % of optimal for this configuration; none can be faster" in flat
+    assert f"(no proof: {detail})" in flat
+
+
 def test_case14_solver_missing(env: Env) -> None:
     model = env.write(MLP)
     env.monkeypatch.setattr(pulp.HiGHS, "available", lambda self: False)

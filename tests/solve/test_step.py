@@ -188,6 +188,37 @@ def test_no_milp_starts_without_the_time_to_run_it(monkeypatch: pytest.MonkeyPat
     assert "time_limit" in statuses
 
 
+def test_a_milp_too_large_for_the_time_left_is_not_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exact problem's step MILP is built only where the time left covers its size
+    (MILP_SIZE_PER_S); else the segment bounds' gap stands, said so, and without a limit
+    it is always built."""
+    monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
+    gated = built = 0
+    for seed in range(30):
+        p = _problem(seed)
+        best = _brute(p)
+        if best is None:
+            continue
+        monkeypatch.setattr(step_module, "MILP_SIZE_PER_S", 1e-3)  # nothing is small enough
+        sol = solve_step(p, time_limit_s=60)
+        assert sol.method == "bounds" and sol.solver_s == 0.0, sol
+        assert sol.bound <= best * (1 + REL) and sol.step >= best * (1 - REL)
+        if sol.status != "optimal":
+            assert sol.status == "bounded" and "too large" in sol.detail, sol
+            assert f"{sol.n_segments} candidate stages × {len(p.nodes)} graph nodes" in sol.detail
+            gated += 1
+            unlimited = solve_step(p)  # no limit: always built
+            assert unlimited.method == "milp" and unlimited.status == "optimal"
+            assert unlimited.step == pytest.approx(best, rel=REL)
+            monkeypatch.setattr(step_module, "MILP_SIZE_PER_S", 1e9)
+            roomy = solve_step(p, time_limit_s=60)
+            assert roomy.method == "milp" and roomy.status == "optimal"
+            built += 1
+    assert gated > 0 and built == gated
+
+
 def test_warm_starts_are_checked_and_memory_is_kept() -> None:
     p = _problem(3, memory=True)
     t = StepTable(p)
