@@ -3,6 +3,7 @@ split, the important columns stay, and the hidden ones are named."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 
@@ -21,6 +22,7 @@ from planner.plan import (
     SolverRecord,
     StageMemory,
     StagePlan,
+    StepInputs,
     TrainingPlan,
 )
 from planner.plan.fold import PIPE_WIDTH, Col, fold, output_width
@@ -201,6 +203,31 @@ def test_the_runs_comparison_table_fits_the_width(width: int) -> None:
         assert "hidden at 80 columns: step ms, step meas, step err;" in text.replace("\n", " "), (
             text
         )
+
+
+def test_one_micro_batchs_backward_is_compared_with_its_all_reduce_not_the_optimizer() -> None:
+    """dp > 1, m = 1: the measured backward holds DDP's all-reduce, so the predicted one
+    adds the step inputs' reduce_ms (0.75), not sync_ms (1.25, the optimizer step too)."""
+    base = _plan()
+    inputs = StepInputs(
+        schedule="1f1b",
+        micro_batches=1,
+        fwd_ms=(12.0,) * 4,
+        bwd_ms=(24.5,) * 4,
+        link_fwd_ms=(0.5,) * 3,
+        link_bwd_ms=(0.5,) * 3,
+        reduce_ms=(0.75,) * 4,
+        tail_ms=(0.5,) * 4,
+        speed=(1.0,),
+    )
+    training = dataclasses.replace(base.training, micro_batches=1, micro_batch_size=32)
+    plan = dataclasses.replace(base, training=training, step=inputs)
+    rows = comparison_table(plan, _measurement(plan), width=150).splitlines()
+    assert rows[2].split()[5] == "25.25*", rows[2]  # 24.5 + 0.75
+    older = dataclasses.replace(plan, step=None)  # no step inputs: sync_ms, all it has
+    assert comparison_table(older, _measurement(older), width=150).splitlines()[2].split()[5] == (
+        "25.75*"
+    )
 
 
 def test_the_profile_table_fits_80_columns() -> None:
