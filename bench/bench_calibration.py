@@ -8,7 +8,8 @@ on local CPU processes (gloo):
 1. ``planner plan MODEL --gpus pp·dp --pp --dp --micro-batches m
    --no-calibration``: the plan and its predicted step and per-stage memory
    (a fresh profile cache per model, so nothing calibrated leaks in);
-2. ``LAUNCHES`` launches of ``planner run --no-memory --measurements F``: each
+2. ``LAUNCHES`` launches of ``planner run --no-memory --measurements F``, of
+   ``steps_for(predicted step)`` steps (at least ``COUNTED_S`` counted): each
    launch's step is the median over its counted steps (the slowest rank's); the
    case's measured step is the median over the launches;
 3. one more launch with memory tracked: each stage's peak (the most of its
@@ -69,7 +70,25 @@ QUICK_MODELS = ["mlp", "gpt", "hf_bert", "tv_mobilenetv3"]
 CONFIGS = [(1, 1, 1), (2, 1, 4), (1, 2, 1), (2, 2, 4)]
 FIT = (2, 1, 4)
 FIT_LAUNCHES = 2
-STEPS = 8  # per launch, the first one warm-up
+STEPS = 8  # per launch at least, the first one warm-up
+COUNTED_S = 1.0
+"""Predicted seconds of counted steps per launch at least: a model of 10 ms a step gets
+101 steps, not 8 (BERT's 1 × 2 launches of 8 steps took 9.7 to 16.0 ms, of 60 steps
+9.7 to 11.7 ms)."""
+MAX_STEPS = 200
+
+
+def steps_for(predicted_ms: float) -> int:
+    """Steps per launch: ``STEPS``, or enough for ``COUNTED_S`` of counted steps (at most
+    ``MAX_STEPS``).
+
+    >>> steps_for(200.0), steps_for(10.0), steps_for(1.0)
+    (8, 101, 200)
+    """
+    want = 1 + int(-(-COUNTED_S * 1e3 // max(predicted_ms, 1e-3)))
+    return min(MAX_STEPS, max(STEPS, want))
+
+
 RUN_TIMEOUT_S = 600
 
 
@@ -107,11 +126,12 @@ def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict
     cmd += ["--micro-batches", str(m), "--batch-size", str(batch), "--no-calibration"]
     _checked(_planner([*cmd, "--out", str(plan_file)], env, tmp), f"planning {name}")
     plan_s = time.perf_counter() - t0
+    steps = steps_for(load_plan(plan_file).predicted.step_ms)
     runs = []
     for k in range(launches + 1):
         memory = k == launches
         meas = tmp / f"{plan_file.stem}-{k}.json"
-        args = ["run", str(ROOT / path), "--plan", str(plan_file), "--steps", str(STEPS)]
+        args = ["run", str(ROOT / path), "--plan", str(plan_file), "--steps", str(steps)]
         args += ["--measurements", str(meas)] + ([] if memory else ["--no-memory"])
         load = _load()
         _checked(_planner(args, env, tmp), f"running {plan_file.name}")
@@ -125,6 +145,7 @@ def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict
         "m": m,
         "plan": str(plan_file),
         "plan_s": plan_s,
+        "steps": steps,
         "predicted_ms": plan.predicted.step_ms,
         "runs": runs,
     }
@@ -252,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_before": load0,
         "wall_s": time.perf_counter() - started,
         "launches": ns.launches,
-        "steps": STEPS,
+        "steps": f"{STEPS} per launch at least, enough for {COUNTED_S:g} s counted "
+        f"(at most {MAX_STEPS})",
         "fit_layout": FIT,
         "summary": summary,
         "cases": cases,
