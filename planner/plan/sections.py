@@ -331,8 +331,9 @@ class SolverRecord(Record):
         status: what is proven of ``quantity`` over every contiguous placement
             of the plan's configuration: "optimal" (none is faster), "bounded"
             (none is faster than ``bound_ms``; the search ended with the gap
-            open, see [Note: shared cores]) or "time_limit" (the limit stopped
-            it first). Plans of versions 1 and 2: "optimal", "time_limit" or
+            open: stages share cores, see [Note: shared cores], or the step
+            MILP was too large for the time left) or "time_limit" (the limit
+            stopped it first). Plans of versions 1 and 2: "optimal", "time_limit" or
             "heuristic", of their closed form.
         quantity: the figure the status, bound and gap speak of:
             "predicted.step_ms" (the step the plan prints), or

@@ -41,14 +41,15 @@ BOUND_NODES = 400
 wherever the search stops) and a placement to polish, not a proof (HiGHS; a count, so
 the same inputs stop at the same place). A 24-layer GPT on 4 stages of shared cores took
 6 s per solve without it."""
-MILP_SIZE_PER_S = 300_000
+MILP_SIZE_PER_S = 1_000_000
 """Candidate stages × graph nodes of an exact problem's step MILP that a second of the
 time left must cover for it to be built; otherwise the segment bounds' gap stands
 (status "bounded", method "bounds"). HiGHS on bench scaling's synthetic chains, 60 s per
 solve: Llama 70B's step MILPs on 1024 H100s (307 × 16 320 = 5.0·10⁶) proven in a search of
 22 s; 256 blocks on 256 H100s, 1F1B (1 559 × 8 096 = 1.3·10⁷) moved its gap from 1.2 to
 0.6 % in 59 s; GPipe (7 572 × 8 096 = 6.1·10⁷) and 512 on 512 (up to 1.2·10⁵ × 16 320 =
-2.0·10⁹) found no bound above the segment bounds' in 59 s, the largest not even a root bound."""
+2.0·10⁹) found no bound above the segment bounds' in 59 s, the largest not even a root
+bound. So a MILP is built up to about the size that a minute of HiGHS moved."""
 GAP_ROUNDS = 3
 """MILP solves at most spent raising a bounded problem's bound (no-good rows), after the first."""
 ROUND_SEGMENTS = 10_000

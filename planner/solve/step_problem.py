@@ -182,8 +182,9 @@ class StepSolution:
         gap: (step − bound) / step.
         status: "optimal": no placement has a shorter step (within a relative
             1e-7); "bounded": the solve ended with the gap open (a bounded
-            problem's search ran out of rounds, or the MILP solver ended
-            without a proof: ``detail`` says which); "time_limit": the limit
+            problem's search ran out of rounds, the MILP solver ended
+            without a proof, or the MILP was too large for the time left and
+            not built: ``detail`` says which); "time_limit": the limit
             stopped it.
         method: how: "milp" (the step MILP), "enumeration" (every placement
             left after pruning was evaluated), "bounds" (the segment bounds
