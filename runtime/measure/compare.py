@@ -49,15 +49,12 @@ def comparison_table(plan: Plan, result: Measurement, width: int | None = None) 
     step_pred = plan.predicted.step_ms
     # [Note: DDP's all-reduce runs inside the last backward] With dp > 1 the last
     # micro-batch's backward also all-reduces the stage's gradients (DDP hooks in
-    # autograd). The backward column leaves it out when m > 1; with m = 1 it cannot,
-    # and compares with the predicted backward + that all-reduce instead (marked *):
-    # the step inputs' reduce_ms, not sync_ms, which holds the optimizer step too
-    # (plans without step inputs: sync_ms, the nearest figure they keep).
+    # autograd). The backward column leaves it out when m > 1; with m = 1 it cannot, and
+    # adds the predicted all-reduce (reduce_ms; sync_ms holds the optimizer too) (marked *).
     with_sync = plan.dp > 1 and plan.micro_batches == 1
     reduce = plan.step.reduce_ms if plan.step is not None else [s.sync_ms for s in plan.stages]
     skip = plan.micro_batches if plan.dp > 1 and plan.micro_batches > 1 else None
-    rows = []
-    on = plan.stage_ranks
+    rows, on = [], plan.stage_ranks
     for st in plan.stages:
         got = result.stage_figures(st.index, skip_last_backward=skip)
         bwd_pred = st.bwd_ms + (reduce[st.index] if with_sync else 0.0)
