@@ -126,7 +126,8 @@ def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict
     cmd += ["--micro-batches", str(m), "--batch-size", str(batch), "--no-calibration"]
     _checked(_planner([*cmd, "--out", str(plan_file)], env, tmp), f"planning {name}")
     plan_s = time.perf_counter() - t0
-    steps = steps_for(load_plan(plan_file).predicted.step_ms)
+    plan = load_plan(plan_file)
+    steps = steps_for(plan.predicted.step_ms)
     runs = []
     for k in range(launches + 1):
         memory = k == launches
@@ -137,7 +138,6 @@ def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict
         _checked(_planner(args, env, tmp), f"running {plan_file.name}")
         result = load_measurement(meas)
         runs.append({"file": str(meas), "load": load, "memory": memory, "step_ms": result.step_ms})
-    plan = load_plan(plan_file)
     return {
         "model": name,
         "pp": pp,

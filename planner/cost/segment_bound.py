@@ -157,13 +157,12 @@ class SegmentBound:
         trip = link + suf[s + 1].get(j, inf)  # micro-batch 0 on to the last stage and back
         if self.split:
             return pf[s].get(i, inf) + own + tail
+        last_trip = link + suf_red[s + 1].get(j, inf)  # the last micro-batch's, all-reducing
         if self.several:
             wait = 0.0
         elif self.gpipe:  # [Note: GPipe's two round trips]
-            last_trip = link + suf_red[s + 1].get(j, inf)
             wait = max(trip, last_trip - (self.m - 1) * b)
         else:  # [Note: 1F1B's two round trips]
-            last_trip = link + suf_red[s + 1].get(j, inf)
             m, w = self.m, min(self.S - s, self.m)
             if w < m:
                 wait = max(0.0, trip - (w - 1) * f) + max(0.0, last_trip - (w - 1) * b)
