@@ -26,9 +26,12 @@ by the cost model from the profiles the plan carries, uncalibrated:
    median gap beyond the predicted transfer is ``p2p_extra_ms`` (≥ 0).
 5. **the action overhead**, last: the fixed cost per action (≥ 0) that makes
    the simulated step of the plan's placement equal its measured step
-   (bisection: the step only grows with it). So the fitted step matches the
-   run by construction; how well a calibration predicts is measured on other
-   runs (``planner calibrate --check``, ``bench accuracy``).
+   (bisection: the step only grows with it). When the step is predicted
+   slower than measured even without it, the compute scales are lowered by one
+   factor instead (not below ``SCALE_RANGE``'s floor). So the fitted step
+   matches the run by construction, unless the floor stops it; how well a
+   calibration predicts is measured on other runs (``planner calibrate
+   --check``, ``bench accuracy``).
 
 Each figure keeps its default (and is not named in ``Calibration.fitted``) when
 the run cannot determine it: a single process has no co-run, transfers or
@@ -41,7 +44,7 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 
-from planner.calibrate.compute import compute_scales, measured_actions, shares
+from planner.calibrate.compute import SCALE_RANGE, compute_scales, measured_actions, shares
 from planner.calibrate.priced import plan_cost_model
 from planner.cost.model import CostModel
 from planner.plan.measured import Measurement, RankRecord, median
@@ -104,9 +107,8 @@ def fit(plan: Plan, result: Measurement) -> Fit:
         )
         for t, c in cals.items()
     }
-    overhead = _overhead(plan, cals, result.step_ms)
+    cals = _overhead(plan, cals, result.step_ms)
     fitted.append("action_overhead_ms")
-    cals = {t: replace(c, action_overhead_ms=overhead) for t, c in cals.items()}
     starts = [st.blocks[0] for st in plan.stages]
     after = plan_cost_model(plan, cals).step_ms(starts)
     source = (
@@ -229,21 +231,44 @@ def _gaps(src: RankRecord, dst: RankRecord, kind: str, counted: set[int]) -> lis
     return out
 
 
-def _overhead(plan: Plan, cals: dict[str, Calibration], measured_ms: float) -> float:
-    """The action overhead (ms, ≥ 0) at which the plan's placement's simulated step is the
-    measured one (0 when even without it the step is predicted slower)."""
+def _overhead(
+    plan: Plan, cals: dict[str, Calibration], measured_ms: float
+) -> dict[str, Calibration]:
+    """``cals`` with the action overhead (ms, ≥ 0) at which the plan's placement's simulated
+    step is the measured one.
+
+    When even without overhead the step is predicted slower than measured, the compute
+    scales are lowered instead, by one factor (each scale no lower than ``SCALE_RANGE``'s
+    floor), so that the fit still reproduces the run it came from (a ResNet's 1×1 fit had
+    kept its compute at 2× and predicted 110.9 ms for its own 51 ms launches)."""
     starts = [st.blocks[0] for st in plan.stages]
 
-    def step(o: float) -> float:
-        with_o = {t: replace(c, action_overhead_ms=o) for t, c in cals.items()}
-        return plan_cost_model(plan, with_o).step_ms(starts)
+    def with_(o: float, k: float = 1.0) -> dict[str, Calibration]:
+        return {
+            t: replace(
+                c,
+                action_overhead_ms=o,
+                fwd_scale=max(SCALE_RANGE[0], min(c.fwd_scale, k * c.fwd_scale)),
+                bwd_scale=max(SCALE_RANGE[0], min(c.bwd_scale, k * c.bwd_scale)),
+            )
+            for t, c in cals.items()
+        }
+
+    def step(o: float, k: float = 1.0) -> float:
+        return plan_cost_model(plan, with_(o, k)).step_ms(starts)
 
     if step(0.0) >= measured_ms:
-        return 0.0
+        lo, hi = 0.0, 1.0  # the factor: step(0, lo) < measured ≤ step(0, hi), or the floor
+        if step(0.0, lo) >= measured_ms:
+            return with_(0.0, lo)
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if step(0.0, mid) < measured_ms else (lo, mid)
+        return with_(0.0, (lo + hi) / 2)
     lo, hi = 0.0, 1.0
     while step(hi) < measured_ms and hi < 1e6:
         lo, hi = hi, hi * 2
     for _ in range(40):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if step(mid) < measured_ms else (lo, mid)
-    return (lo + hi) / 2
+    return with_((lo + hi) / 2)

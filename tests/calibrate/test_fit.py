@@ -9,6 +9,7 @@ import pytest
 from models import cpu_cluster, tower_plan
 
 from planner.calibrate import fit, plan_cost_model
+from planner.calibrate.compute import LINE_SPAN, SCALE_RANGE, Action, bounded_line, compute_scales
 from planner.calibrate.text import summary
 from planner.plan.calibration import calibrated, uncalibrated
 from planner.plan.measured import Interval, Measurement, RankRecord, joined
@@ -62,6 +63,36 @@ def run_of(plan: Plan, truth: Calibration, steps: int = 4) -> Measurement:
     )
 
 
+def _step_scaled(run: Measurement, k: float) -> Measurement:
+    return dataclasses.replace(
+        run,
+        records=tuple(
+            dataclasses.replace(
+                r,
+                intervals=tuple(
+                    dataclasses.replace(iv, end=iv.start + k * (iv.end - iv.start))
+                    if iv.kind == "step"
+                    else iv
+                    for iv in r.intervals
+                ),
+            )
+            for r in run.records
+        ),
+    )
+
+
+def resplit(plan: Plan, start: int) -> Plan:
+    """``plan`` (two stages) with its second stage starting at block ``start``."""
+    (a, _), (_, n) = plan.stages[0].blocks, plan.stages[1].blocks
+    return dataclasses.replace(
+        plan,
+        stages=(
+            dataclasses.replace(plan.stages[0], blocks=(a, start)),
+            dataclasses.replace(plan.stages[1], blocks=(start, n)),
+        ),
+    )
+
+
 @pytest.fixture(scope="module")
 def gpu_plan() -> Plan:
     return tower_plan(4, pp=2, dp=2, micro_batches=4, schedule="1f1b")
@@ -81,7 +112,8 @@ def test_a_run_made_with_known_corrections_gives_them_back(gpu_plan: Plan) -> No
         allreduce_scale=3.0,
         p2p_extra_ms=0.02,
     )
-    got = fit(gpu_plan, run_of(gpu_plan, truth)).calibrations["h100"]
+    plan = resplit(gpu_plan, 2)  # stage 1's work 4 × stage 0's: a line is fitted
+    got = fit(plan, run_of(plan, truth)).calibrations["h100"]
     assert got.fwd_scale == pytest.approx(1.3, rel=1e-6)
     assert got.bwd_scale == pytest.approx(1.3, rel=1e-6)
     assert got.optimizer_scale == pytest.approx(2.0, rel=1e-6)
@@ -91,30 +123,68 @@ def test_a_run_made_with_known_corrections_gives_them_back(gpu_plan: Plan) -> No
     assert got.corun_slowdown is None  # GPUs do not share cores: nothing to fit
     assert "corun_slowdown" not in got.fitted
     assert got.after_ms == pytest.approx(got.measured_step_ms, rel=1e-6)
-    assert got.before_ms == gpu_plan.predicted.step_ms
+    assert got.before_ms == plan.predicted.step_ms
+
+
+def test_balanced_stages_give_a_ratio_and_the_overhead_takes_the_rest(gpu_plan: Plan) -> None:
+    """Stages within LINE_SPAN of each other: no line (it would price backward against
+    forward as a slope), the ratio through the origin; the overhead fitted after it still
+    makes the step the measured one."""
+    starts = [st.blocks[0] for st in gpu_plan.stages]
+    prof = gpu_plan.profiles[0]
+    works = [
+        sum(b.fwd_ms for b in prof.blocks[i:j]) for i, j in (st.blocks for st in gpu_plan.stages)
+    ]
+    assert max(works) < LINE_SPAN * min(works), starts
+    truth = Calibration(fwd_scale=1.3, bwd_scale=1.3, action_overhead_ms=0.01)
+    got = fit(gpu_plan, run_of(gpu_plan, truth)).calibrations["h100"]
+    assert 1.3 < got.fwd_scale < SCALE_RANGE[1]  # the fixed part inside the ratio
+    assert got.action_overhead_ms < 0.01
+    assert got.after_ms == pytest.approx(got.measured_step_ms, rel=1e-6)
 
 
 def test_the_action_overhead_makes_the_simulated_step_the_measured_one(gpu_plan: Plan) -> None:
     measured = run_of(gpu_plan, Calibration(action_overhead_ms=0.0))
-    slower = dataclasses.replace(
-        measured,
-        records=tuple(
-            dataclasses.replace(
-                r,
-                intervals=tuple(
-                    dataclasses.replace(iv, end=iv.start + 1.5 * (iv.end - iv.start))
-                    if iv.kind == "step"
-                    else iv
-                    for iv in r.intervals
-                ),
-            )
-            for r in measured.records
-        ),
-    )
-    got = fit(gpu_plan, slower).calibrations["h100"]
+    got = fit(gpu_plan, _step_scaled(measured, 1.5)).calibrations["h100"]
     assert got.action_overhead_ms > 0
     assert got.measured_step_ms == pytest.approx(1.5 * measured.step_ms)
     assert got.after_ms == pytest.approx(got.measured_step_ms, rel=1e-6)
+
+
+def test_a_step_faster_than_its_compute_lowers_the_compute_scale(gpu_plan: Plan) -> None:
+    """The overhead cannot go below 0: a step measured faster than even its fitted compute
+    predicts lowers the compute scales, so the fit still reproduces its own run, down to
+    SCALE_RANGE's floor and no further."""
+    measured = run_of(gpu_plan, Calibration(action_overhead_ms=0.0))
+    got = fit(gpu_plan, _step_scaled(measured, 0.8)).calibrations["h100"]
+    assert got.action_overhead_ms == 0.0
+    assert got.fwd_scale < 1.0 and got.bwd_scale == got.fwd_scale
+    assert got.after_ms == pytest.approx(0.8 * measured.step_ms, rel=1e-6)
+    floor = fit(gpu_plan, _step_scaled(measured, 0.05)).calibrations["h100"]
+    assert floor.fwd_scale == SCALE_RANGE[0]
+    assert floor.after_ms > floor.measured_step_ms  # said by the after/measured figures
+
+
+def test_the_compute_line_is_the_constrained_least_squares_optimum() -> None:
+    """Against a fine grid of the feasible (scale, fixed): no point fits better, whatever the
+    points (the two-point case that had clamped a ResNet's scale at 2.0 among them)."""
+    import random
+
+    assert bounded_line([(18.5, 15.0), (23.0, 30.0)]) == pytest.approx((1.11, 0.0), abs=0.01)
+    rng = random.Random(7)
+    lo, hi = SCALE_RANGE
+    for _ in range(40):
+        pts = [(rng.uniform(1, 30), rng.uniform(1, 60)) for _ in range(rng.choice([2, 4]))]
+        s, f = bounded_line(pts)
+        assert lo <= s <= hi and f >= 0
+
+        def err(s: float, f: float, pts: list[tuple[float, float]] = pts) -> float:
+            return sum((y - s * x - f) ** 2 for x, y in pts)
+
+        best = min(
+            err(lo + (hi - lo) * i / 100, 60 * j / 100) for i in range(101) for j in range(101)
+        )
+        assert err(s, f) <= best + 1e-9
 
 
 def test_the_corun_slowdown_of_local_processes_is_fitted(cpu_plan: Plan) -> None:
@@ -189,8 +259,6 @@ def test_the_compute_scale_stays_within_its_range_when_times_ignore_the_profile(
     """Four points whose measured times hardly follow the profiled ones (a U-Net's pipelined
     run): least squares gives a slope near 0; the fit keeps SCALE_RANGE's floor. Points that
     do follow are fitted as they are."""
-    from planner.calibrate.compute import SCALE_RANGE, Action, compute_scales
-
     raw = plan_cost_model(cpu_plan)
     flat = [
         Action(s, "cpu", kind, ms, profiled, 0.0)
