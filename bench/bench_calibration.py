@@ -1,5 +1,6 @@
 """Cost-model accuracy, uncalibrated and calibrated, through the product's own commands:
 python -m bench calibration [--quick] [--models a,b] [--launches N] [--keep DIR] [--merge]
+[--refit]
 
 For each model (the bundled examples, and models of the zoo from transformers,
 torchvision and timm: ``tests/zoo``) and each layout (pp, dp, m) of ``CONFIGS``
@@ -33,7 +34,9 @@ the worst, uncalibrated and calibrated (time), and memory, over every case.
 The load average before the run and each launch's are recorded. Writes
 bench/results/calibration.json; ``--merge`` replaces only the models run in
 it (a rerun of some), the summary recomputed over all cases; ``--keep DIR``
-keeps the plans and measurement files.
+keeps the plans and measurement files, and ``--refit`` then fits and prices
+those kept launches again with the current fit, running nothing (the plans and
+the measured figures are the kept run's: only the calibrated column changes).
 """
 
 from __future__ import annotations
@@ -202,6 +205,30 @@ def _figures(case: dict[str, Any], fits: dict[int, dict[str, Any]]) -> dict[str,
     }
 
 
+def _kept(names: list[str]) -> dict[str, dict[tuple[int, int, int], dict[str, Any]]]:
+    """``names``' cases of the results file, by model and layout, their launches on disk.
+
+    Raises:
+        SystemExit: a model is not in the file, or its launches were not kept.
+    """
+    old = json.loads(OUT.read_text()) if OUT.exists() else {"cases": []}
+    out: dict[str, dict[tuple[int, int, int], dict[str, Any]]] = {}
+    for c in old["cases"]:
+        out.setdefault(c["model"], {})[(c["pp"], c["dp"], c["m"])] = c
+    for name in names:
+        have = out.get(name, {})
+        files = [r["file"] for c in have.values() for r in c["runs"]] + [
+            c["plan"] for c in have.values()
+        ]
+        if set(have) != set(CONFIGS) or not all(Path(f).exists() for f in files):
+            raise SystemExit(
+                f"--refit: {OUT} has no kept launches of {name} (its cases "
+                f"{sorted(have)}; files kept: {all(Path(f).exists() for f in files)}).\n"
+                "  fix: run it with --keep DIR first, then --refit on this machine"
+            )
+    return {name: out[name] for name in names}
+
+
 def _stats(xs: list[float]) -> dict[str, float]:
     a = [abs(x) for x in xs if x == x]
     worst = max(xs, key=abs) if xs else float("nan")
@@ -219,15 +246,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="replace only these models' cases in the results file (a rerun of some models)",
     )
+    ap.add_argument(
+        "--refit",
+        action="store_true",
+        help="fit and price the results file's kept launches again, running nothing (a run "
+        "made with --keep; after a change to the fit)",
+    )
     ns = ap.parse_args(argv)
     names = ns.models.split(",") if ns.models else (QUICK_MODELS if ns.quick else list(MODELS))
     started, load0 = time.perf_counter(), _load()
     rows, cases = [], []
+    kept = _kept(names) if ns.refit else {}
     with tempfile.TemporaryDirectory(prefix="bench-calibration-") as scratch:
         tmp = ns.keep or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
         for name in names:
-            done = {c: _case(name, *c, ns.launches, Path(tmp)) for c in CONFIGS}
+            done = kept.get(name) or {c: _case(name, *c, ns.launches, Path(tmp)) for c in CONFIGS}
             fits = _fits(done)
             for c in CONFIGS:
                 got = _figures(done[c], fits)
@@ -253,7 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     command = "python -m bench calibration " + " ".join(argv or sys.argv[1:])
     earlier: list[str] = []
-    if ns.merge and OUT.exists():
+    wall_s = time.perf_counter() - started
+    if ns.refit:  # the launches are the earlier run's: its load and wall time stand
+        old = json.loads(OUT.read_text())
+        earlier = [*old.get("earlier_commands", []), old["command"]]
+        load0, wall_s = old["load_before"], old["wall_s"]
+    elif ns.merge and OUT.exists():
         old = json.loads(OUT.read_text())
         kept = [c for c in old["cases"] if c["model"] not in names]
         cases = kept + cases
@@ -271,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command,
         "earlier_commands": earlier,
         "load_before": load0,
-        "wall_s": time.perf_counter() - started,
+        "wall_s": wall_s,
         "launches": ns.launches,
         "steps": f"{STEPS} per launch at least, enough for {COUNTED_S:g} s counted "
         f"(at most {MAX_STEPS})",

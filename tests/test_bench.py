@@ -304,3 +304,23 @@ def test_the_published_schedule_gains_are_simulated_from_torchs_orders() -> None
     ]
     assert all(r["simulated_gain"] > 0 for r in paper)
     assert max(paper, key=lambda r: r["simulated_gain"])["schedule"] in ("zbv", "dualpipev")
+
+
+def test_calibration_refit_refuses_launches_that_were_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--refit`` runs nothing: without the kept plan and launch files it says how to get
+    them, for a model whose files are gone and for one the results file lacks."""
+    from bench import bench_calibration as bc
+
+    out = tmp_path / "calibration.json"
+    gone = str(tmp_path / "gone.yaml")
+    cases = [
+        {"model": "mlp", "pp": p, "dp": d, "m": m, "plan": gone, "runs": [{"file": gone}]}
+        for p, d, m in bc.CONFIGS
+    ]
+    out.write_text(json.dumps({"cases": cases}))
+    monkeypatch.setattr(bc, "OUT", out)
+    for model in ("mlp", "gpt"):
+        with pytest.raises(SystemExit, match=f"(?s)no kept launches of {model}.*--keep DIR"):
+            bc.main(["--refit", "--models", model])

@@ -17,7 +17,7 @@ from planner.plan.records import Calibration
 from planner.plan.schema import Plan
 
 __all__ = [
-    "LINE_SPAN",
+    "SCALE_PRIOR_SD",
     "SCALE_RANGE",
     "Action",
     "bounded_line",
@@ -30,9 +30,9 @@ _CORUN_GRID = [1.0 + 0.02 * k for k in range(51)]  # 1.00 … 2.00
 _BETTER = 0.95  # a fitted co-run slow-down must cut the squared log error by 5 %
 SCALE_RANGE = (0.5, 2.0)
 """The compute scale a fit may give ([Note: a scale and a fixed cost per action])."""
-LINE_SPAN = 2.0
-"""The spread of one kind's profiled work (largest ÷ smallest stage) from which a run's
-actions are fitted with a line, not a ratio ([Note: a scale and a fixed cost per action])."""
+SCALE_PRIOR_SD = 0.1
+"""How far the profile's compute scale is believed off, one standard deviation ([Note: a
+scale and a fixed cost per action])."""
 
 
 @dataclass(frozen=True)
@@ -149,83 +149,89 @@ def _scales_at(
 
 def _line(actions: list[Action], g: Callable[[Action], float]) -> tuple[float, float]:
     """(scale, fixed ms) of measured ÷ g = scale × profiled + fixed over the median of each
-    stage's forwards and backwards: the least-squares line (:func:`bounded_line`) where the
-    run varies one kind's work at least ``LINE_SPAN``-fold, else the ratio through the
-    origin (fixed 0); the scale within ``SCALE_RANGE``.
+    stage's forwards and backwards (:func:`bounded_line`), pulled toward the profile's
+    own scale, 1, as far as the points scatter ([Note: a scale and a fixed cost per
+    action]).
 
     [Note: a scale and a fixed cost per action] A runtime action costs more than
     its blocks' profiled time by a part that grows with it (the profile's own error)
     and a part that does not (the pipeline's bookkeeping inside the action): fitted
     as one ratio, the fixed part would be scaled up with every larger micro-batch and
-    every longer stage. The fixed part is not kept here: the action overhead, fitted
-    last to the step, carries every fixed cost per action.
+    every longer stage (a Llama's 2×1 m4 run, actions of 1.1–1.5 ms profiled and
+    2.2–2.7 measured: a ratio of 1.87, which priced its 1×1 layout at +119 %). The
+    fixed part is not kept here: the action overhead, fitted last to the step,
+    carries every fixed cost per action.
 
-    But a line needs points of the same kind whose work differs: a run of balanced
-    stages has its forwards at one size and its backwards at another, and a line
-    through those prices the profile's error on backwards against forwards as a slope.
-    Measured (the benchmark's kept launches), a U-Net's 1×1 run put its forward 18 %
-    above its profile and its backward 0.5 %: the line had a slope of 0.5 and a fixed
-    part of 21 ms an action; its 2×1 m4 run gave 0.73 and 4.2 ms, which priced the
-    1×2 m1 layout's four-times-larger actions at −37 % (through the origin: −18 %;
-    over ResNet's and U-Net's held-out launches, median |error| 12.1 → 8.3 %, worst
-    36.8 → 18.2 %). So the line is fitted only where the run itself spans the sizes
-    it will be asked about; elsewhere the ratio, and the action overhead, fitted
-    last, takes what is fixed.
+    But a run has few points (a forward and a backward per stage), of nearly one size
+    when its stages are balanced, and a line through them takes the profile's error
+    on backwards against forwards for a slope (a U-Net's 1×1 run: forward 18 % above
+    its profile, backward 0.5 %: slope 0.5 and 21 ms fixed per action). So the
+    scale is estimated as the profile being one more measurement: s ~ N(1, τ²) with
+    τ = ``SCALE_PRIOR_SD``, the points' scatter σ² (about the line; about the ratio
+    through the origin when there are two points or fewer) giving the pull
+    K = σ²/τ² in ``bounded_line``. Points on a line (a run the cost model made)
+    have no scatter: their line is recovered exactly. Over the calibration
+    benchmark's kept launches (8 models × 4 layouts, at c81081e), held out:
+    median |error| 10.4 %, worst −46 %; the plain line 11.9 % / −54 %; the ratio
+    10.4 % / +119 %.
 
     The profile measured these blocks on this machine, so the scale is kept within
-    ``SCALE_RANGE``: its error is a ratio, not a hundredfold (a U-Net's 2×1 m4 line,
-    unbounded, had a slope of 0.008).
+    ``SCALE_RANGE`` too: its error is a ratio, not a hundredfold (a U-Net's 2×1 m4
+    line, unbounded, had a slope of 0.008).
     """
     groups: dict[tuple[int, str], list[Action]] = {}
     for a in actions:
         groups.setdefault((a.stage, a.kind), []).append(a)
-    pts = {
-        key: (
-            statistics.median(a.profiled for a in acts),
-            statistics.median(a.ms / g(a) for a in acts),
-        )
-        for key, acts in groups.items()
-    }
-    spans = []
-    for kind in ("F", "B"):
-        xs = [x for (_, k), (x, _) in pts.items() if k == kind]
-        spans.append(max(xs) / min(xs) if xs else 1.0)
-    if max(spans) >= LINE_SPAN:
-        return bounded_line(list(pts.values()))
-    return _through_origin(list(pts.values()))
+    pts = [
+        (statistics.median(a.profiled for a in acts), statistics.median(a.ms / g(a) for a in acts))
+        for acts in groups.values()
+    ]
+    return bounded_line(pts, pull=_scatter(pts) / SCALE_PRIOR_SD**2)
 
 
-def _through_origin(pts: list[tuple[float, float]]) -> tuple[float, float]:
+def _scatter(pts: list[tuple[float, float]]) -> float:
+    """The points' variance about their least-squares line (n − 2 degrees of freedom), or
+    about their ratio through the origin when there are two or fewer (n − 1)."""
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if n >= 3 and sxx > 0:
+        s = sum((x - mx) * (y - my) for x, y in pts) / sxx
+        return sum((y - my - s * (x - mx)) ** 2 for x, y in pts) / (n - 2)
     sq = sum(x * x for x, _ in pts)
     ratio = sum(x * y for x, y in pts) / sq if sq > 0 else 1.0
-    return min(max(ratio, SCALE_RANGE[0]), SCALE_RANGE[1]), 0.0
+    return sum((y - ratio * x) ** 2 for x, y in pts) / max(n - 1, 1)
 
 
-def bounded_line(pts: list[tuple[float, float]]) -> tuple[float, float]:
-    """(scale, fixed) minimising Σ (y − scale·x − fixed)² over ``pts`` with the scale within
-    ``SCALE_RANGE`` and fixed ≥ 0.
+def bounded_line(pts: list[tuple[float, float]], pull: float = 0.0) -> tuple[float, float]:
+    """(scale, fixed) minimising Σ (y − scale·x − fixed)² + pull·(scale − 1)² over ``pts``
+    with the scale within ``SCALE_RANGE`` and fixed ≥ 0.
 
     The objective is convex and the region a strip, so the optimum is the unconstrained
-    line when it lies inside, else the best of each edge's own optimum: the scale at
-    either end of its range (fixed: the mean excess, ≥ 0) and the line through the origin
-    (its scale clamped). Clamping the unconstrained slope alone misses it: two points of
-    nearly the same profiled time (a ResNet's forward, 18.5 ms, and backward, 23.0 ms,
+    one when it lies inside, else the best of each edge's own optimum: the scale at
+    either end of its range (fixed: the mean excess, ≥ 0) and fixed 0 (the scale
+    clamped). Clamping the unconstrained slope alone misses it: two points of nearly
+    the same profiled time (a ResNet's forward, 18.5 ms, and backward, 23.0 ms,
     measured at 15 and 30 ms) give a slope of 3.3 and a negative fixed part, and the
-    clamped scale 2.0 then priced the whole step at twice what was measured; through the
-    origin, the same points give 1.1.
+    clamped scale 2.0 then priced the whole step at twice what was measured; through
+    the origin, the same points give 1.1.
     """
     lo, hi = SCALE_RANGE
     n = len(pts)
     mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
     sxx = sum((x - mx) ** 2 for x, _ in pts)
-    if sxx > 0:
-        slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    sxy = sum((x - mx) * (y - my) for x, y in pts)
+    if sxx + pull > 0:
+        slope = (sxy + pull) / (sxx + pull)
         if lo <= slope <= hi and my - slope * mx >= 0:
             return slope, my - slope * mx
     candidates = [(s, max(0.0, my - s * mx)) for s in (lo, hi)]
-    candidates.append(_through_origin(pts))
+    sq = sum(x * x for x, _ in pts)
+    if sq + pull > 0:
+        ratio = (sum(x * y for x, y in pts) + pull) / (sq + pull)
+        candidates.append((min(max(ratio, lo), hi), 0.0))
 
     def err(c: tuple[float, float]) -> float:
-        return sum((y - c[0] * x - c[1]) ** 2 for x, y in pts)
+        return sum((y - c[0] * x - c[1]) ** 2 for x, y in pts) + pull * (c[0] - 1) ** 2
 
     return min(candidates, key=lambda c: (err(c), abs(c[0] - 1.0)))
