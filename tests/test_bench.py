@@ -324,3 +324,34 @@ def test_calibration_refit_refuses_launches_that_were_not_kept(
     for model in ("mlp", "gpt"):
         with pytest.raises(SystemExit, match=f"(?s)no kept launches of {model}.*--keep DIR"):
             bc.main(["--refit", "--models", model])
+
+
+def test_accuracy_assess_reads_a_plan_and_its_measurements() -> None:
+    """``bench accuracy``'s last step, on a plan and measured figures of its shape (it had
+    crashed on the stage memory record after the whole run)."""
+    from models import cpu_cluster, tower_plan
+
+    from bench.bench_accuracy import assess
+
+    plan = tower_plan(cluster=cpu_cluster(2), pp=2, dp=1, micro_batches=4, schedule="gpipe")
+    ranks = [
+        {"stage": s, "peak_bytes": 1000.0 * (s + 1), "peak_at": "F", "peak_total_bytes": 2e3,
+         "held_outside_stage_bytes": 0.0, "rss_peak_bytes": 3e3, "state_bytes": 1e2,
+         "ddp_bucket_bytes": 0.0, "minor_faults_per_step": 0.0}
+        for s in range(plan.pp)
+    ]  # fmt: skip
+    meas = {
+        "times": {"foreign": [0.0] * 4, "times": {"step": [0.010, 0.012, 0.011, 0.013]}},
+        "ranks": ranks,
+        "stages": [{"fwd_ms": 1.0, "bwd_ms": 2.0, "optimizer_ms": 0.1}] * plan.pp,
+        "threads": 1,
+        "recorder_step_ms": 11.0,
+        "plan_load": 0.0,
+    }
+    case = {"name": "tower-2-1-4", "example": "tower", "config": (2, 1, 4)}
+    row = assess(case, meas, plan)
+    assert row["step_measured_ms"] == pytest.approx(11.5)
+    assert row["step_error"] == pytest.approx(plan.predicted.step_ms / 11.5 - 1)
+    stage = row["stages"][1]
+    assert stage["memory_measured_bytes"] == 2000.0
+    assert stage["memory_breakdown_predicted"]["total"] == plan.stages[1].memory.total
