@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from planner.calibrate.compute import SCALE_RANGE, compute_scales, measured_actions, shares
@@ -239,8 +240,8 @@ def _overhead(
 
     When even without overhead the step is predicted slower than measured, the compute
     scales are lowered instead, by one factor (each scale no lower than ``SCALE_RANGE``'s
-    floor), so that the fit still reproduces the run it came from (a ResNet's 1×1 fit had
-    kept its compute at 2× and predicted 110.9 ms for its own 51 ms launches)."""
+    floor), so that the fit still reproduces the run it came from (a fit that does not:
+    ResNet's 1×1 fit at 4ed565b priced its own 51 ms launches at 110.9 ms)."""
     starts = [st.blocks[0] for st in plan.stages]
 
     def with_(o: float, k: float = 1.0) -> dict[str, Calibration]:
@@ -257,18 +258,20 @@ def _overhead(
     def step(o: float, k: float = 1.0) -> float:
         return plan_cost_model(plan, with_(o, k)).step_ms(starts)
 
-    if step(0.0) >= measured_ms:
-        lo, hi = 0.0, 1.0  # the factor: step(0, lo) < measured ≤ step(0, hi), or the floor
-        if step(0.0, lo) >= measured_ms:
-            return with_(0.0, lo)
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if step(0.0, mid) < measured_ms else (lo, mid)
-        return with_(0.0, (lo + hi) / 2)
-    lo, hi = 0.0, 1.0
+    if step(0.0) >= measured_ms:  # the factor k: step(0, k) is measured, or the floor
+        if step(0.0, 0.0) >= measured_ms:
+            return with_(0.0, 0.0)
+        return with_(0.0, _bisect(lambda k: step(0.0, k), measured_ms, 1.0))
+    hi = 1.0
     while step(hi) < measured_ms and hi < 1e6:
-        lo, hi = hi, hi * 2
+        hi *= 2
+    return with_(_bisect(step, measured_ms, hi))
+
+
+def _bisect(f: Callable[[float], float], target: float, hi: float) -> float:
+    """x in [0, hi] with f(x) = target, f growing (f(0) < target ≤ f(hi))."""
+    lo = 0.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if step(mid) < measured_ms else (lo, mid)
-    return with_((lo + hi) / 2)
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo + hi) / 2
