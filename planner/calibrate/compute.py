@@ -192,15 +192,21 @@ def _line(actions: list[Action], g: Callable[[Action], float]) -> tuple[float, f
 def _scatter(pts: list[tuple[float, float]]) -> float:
     """The points' variance about their least-squares line (n − 2 degrees of freedom), or
     about their ratio through the origin when there are two or fewer (n − 1)."""
+    n, mx, my, sxx, sxy, sq, sq_xy = _sums(pts)
+    if n >= 3 and sxx > 0:
+        s = sxy / sxx
+        return sum((y - my - s * (x - mx)) ** 2 for x, y in pts) / (n - 2)
+    ratio = sq_xy / sq if sq > 0 else 1.0
+    return sum((y - ratio * x) ** 2 for x, y in pts) / max(n - 1, 1)
+
+
+def _sums(pts: list[tuple[float, float]]) -> tuple[int, float, float, float, float, float, float]:
+    """(n, mean x, mean y, Σ (x − x̄)², Σ (x − x̄)(y − ȳ), Σ x², Σ xy) of ``pts``."""
     n = len(pts)
     mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
     sxx = sum((x - mx) ** 2 for x, _ in pts)
-    if n >= 3 and sxx > 0:
-        s = sum((x - mx) * (y - my) for x, y in pts) / sxx
-        return sum((y - my - s * (x - mx)) ** 2 for x, y in pts) / (n - 2)
-    sq = sum(x * x for x, _ in pts)
-    ratio = sum(x * y for x, y in pts) / sq if sq > 0 else 1.0
-    return sum((y - ratio * x) ** 2 for x, y in pts) / max(n - 1, 1)
+    sxy = sum((x - mx) * (y - my) for x, y in pts)
+    return n, mx, my, sxx, sxy, sum(x * x for x, _ in pts), sum(x * y for x, y in pts)
 
 
 def bounded_line(pts: list[tuple[float, float]], pull: float = 0.0) -> tuple[float, float]:
@@ -217,18 +223,14 @@ def bounded_line(pts: list[tuple[float, float]], pull: float = 0.0) -> tuple[flo
     the origin, the same points give 1.1.
     """
     lo, hi = SCALE_RANGE
-    n = len(pts)
-    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    sxy = sum((x - mx) * (y - my) for x, y in pts)
+    _, mx, my, sxx, sxy, sq, sq_xy = _sums(pts)
     if sxx + pull > 0:
         slope = (sxy + pull) / (sxx + pull)
         if lo <= slope <= hi and my - slope * mx >= 0:
             return slope, my - slope * mx
     candidates = [(s, max(0.0, my - s * mx)) for s in (lo, hi)]
-    sq = sum(x * x for x, _ in pts)
     if sq + pull > 0:
-        ratio = (sum(x * y for x, y in pts) + pull) / (sq + pull)
+        ratio = (sq_xy + pull) / (sq + pull)
         candidates.append((min(max(ratio, lo), hi), 0.0))
 
     def err(c: tuple[float, float]) -> float:

@@ -249,8 +249,8 @@ def _overhead(
             t: replace(
                 c,
                 action_overhead_ms=o,
-                fwd_scale=max(SCALE_RANGE[0], min(c.fwd_scale, k * c.fwd_scale)),
-                bwd_scale=max(SCALE_RANGE[0], min(c.bwd_scale, k * c.bwd_scale)),
+                fwd_scale=max(SCALE_RANGE[0], k * c.fwd_scale),  # k ≤ 1
+                bwd_scale=max(SCALE_RANGE[0], k * c.bwd_scale),
             )
             for t, c in cals.items()
         }
