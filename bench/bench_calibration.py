@@ -36,7 +36,8 @@ bench/results/calibration.json; ``--merge`` replaces only the models run in
 it (a rerun of some), the summary recomputed over all cases; ``--keep DIR``
 keeps the plans and measurement files, and ``--refit`` then fits and prices
 those kept launches again with the current fit, running nothing (the plans and
-the measured figures are the kept run's: only the calibrated column changes).
+the measured figures are the kept run's: only the calibrated column changes;
+the models not named keep their cases, as with ``--merge``).
 """
 
 from __future__ import annotations
@@ -205,13 +206,15 @@ def _figures(case: dict[str, Any], fits: dict[int, dict[str, Any]]) -> dict[str,
     }
 
 
-def _kept(names: list[str]) -> dict[str, dict[tuple[int, int, int], dict[str, Any]]]:
-    """``names``' cases of the results file, by model and layout, their launches on disk.
+def _kept(
+    old: dict[str, Any], names: list[str]
+) -> dict[str, dict[tuple[int, int, int], dict[str, Any]]]:
+    """``names``' cases of ``old`` (the results file), by model and layout, their launches
+    on disk.
 
     Raises:
         SystemExit: a model is not in the file, or its launches were not kept.
     """
-    old = json.loads(OUT.read_text()) if OUT.exists() else {"cases": []}
     out: dict[str, dict[tuple[int, int, int], dict[str, Any]]] = {}
     for c in old["cases"]:
         out.setdefault(c["model"], {})[(c["pp"], c["dp"], c["m"])] = c
@@ -256,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     names = ns.models.split(",") if ns.models else (QUICK_MODELS if ns.quick else list(MODELS))
     started, load0 = time.perf_counter(), _load()
     rows, cases = [], []
-    kept = _kept(names) if ns.refit else {}
+    old = json.loads(OUT.read_text()) if (ns.refit or ns.merge) and OUT.exists() else None
+    kept = _kept(old or {"cases": []}, names) if ns.refit else {}
     with tempfile.TemporaryDirectory(prefix="bench-calibration-") as scratch:
         tmp = ns.keep or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
@@ -288,16 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench calibration " + " ".join(argv or sys.argv[1:])
     earlier: list[str] = []
     wall_s = time.perf_counter() - started
-    if ns.refit:  # the launches are the earlier run's: its load and wall time stand
-        old = json.loads(OUT.read_text())
+    if old is not None:  # --refit of some models, or --merge: the others' cases stay
+        others = [c for c in old["cases"] if c["model"] not in names]
+        cases = others + cases
         earlier = [*old.get("earlier_commands", []), old["command"]]
+        print(f"merged with {len(others)} cases of {OUT.name} ({old['command']})")
+    if ns.refit and old is not None:  # the launches are the earlier run's: its figures stand
         load0, wall_s = old["load_before"], old["wall_s"]
-    elif ns.merge and OUT.exists():
-        old = json.loads(OUT.read_text())
-        kept = [c for c in old["cases"] if c["model"] not in names]
-        cases = kept + cases
-        earlier = [*old.get("earlier_commands", []), old["command"]]
-        print(f"merged with {len(kept)} cases of {OUT.name} ({old['command']})")
     summary = {
         "time_uncalibrated": _stats([c["error"] for c in cases]),
         "time_calibrated": _stats([c["calibrated_error"] for c in cases]),
