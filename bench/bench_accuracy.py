@@ -164,7 +164,7 @@ def assess(case: dict[str, Any], meas: dict[str, Any], plan: Any) -> dict[str, A
                 "peak_at": [r["peak_at"] for r in ranks],
                 "memory_measured_with_outside_bytes": max(r["peak_total_bytes"] for r in ranks),
                 "held_outside_stage_bytes": max(r["held_outside_stage_bytes"] for r in ranks),
-                "rss_peak_bytes": max(r["rss_peak_bytes"] for r in ranks),
+                "rss_bytes": max(r["rss_bytes"] for r in ranks),
                 "memory_breakdown_predicted": st.memory.to_dict(),
                 "state_bytes": [r["state_bytes"] for r in ranks],
                 "ddp_bucket_bytes": [r["ddp_bucket_bytes"] for r in ranks],

@@ -71,8 +71,8 @@ class RunOptions:
     trace: str | None = option(None, help="write the measured Chrome/Perfetto trace here")
     memory: bool = option(
         True,
-        help="time the steps only: no peak memory (on the CPU, tracking every tensor adds "
-        "2-15 percent to a step's time, which then counts in the measured times)",
+        help="time the steps only: no peak memory (on the CPU the peak is measured over the "
+        "2 steps after warm-up, tracking every tensor, which slows them; they are not timed)",
         flag="--no-memory",
     )
     measurements: str | None = option(

@@ -368,7 +368,7 @@ def test_accuracy_assess_reads_a_plan_and_its_measurements() -> None:
     plan = tower_plan(cluster=cpu_cluster(2), pp=2, dp=1, micro_batches=4, schedule="gpipe")
     ranks = [
         {"stage": s, "peak_bytes": 1000.0 * (s + 1), "peak_at": "F", "peak_total_bytes": 2e3,
-         "held_outside_stage_bytes": 0.0, "rss_peak_bytes": 3e3, "state_bytes": 1e2,
+         "held_outside_stage_bytes": 0.0, "rss_bytes": 3e3, "state_bytes": 1e2,
          "ddp_bucket_bytes": 0.0, "minor_faults_per_step": 0.0}
         for s in range(plan.pp)
     ]  # fmt: skip

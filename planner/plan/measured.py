@@ -91,12 +91,18 @@ class RankRecord(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class Measurement(Record):
-    """Every rank's record and which steps count (the ones after warm-up)."""
+    """Every rank's record and which steps count (the ones after warm-up).
+
+    ``counted``: the steps the times come from. ``memory_steps``: the steps the peak
+    memory comes from; on the CPU they are tracked tensor by tensor, which slows
+    them, so they are not in ``counted`` unless the run had no other steps.
+    """
 
     records: tuple[RankRecord, ...]
     steps: tuple[int, ...]  # recorded steps, in order
-    counted: tuple[int, ...]  # the figures' source
+    counted: tuple[int, ...]  # the times' source
     global_batch: int
+    memory_steps: tuple[int, ...] = ()  # the peak memory's source
 
     def stage_figures(
         self, stage: int, *, skip_last_backward: int | None = None
@@ -161,6 +167,7 @@ def joined(runs: Sequence[Measurement]) -> Measurement:
     records: dict[int, list[Interval]] = {r.rank: [] for r in first.records}
     steps: list[int] = []
     counted: list[int] = []
+    memory_steps: list[int] = []
     for k, run in enumerate(runs):
         if [(r.rank, r.replica, r.stage) for r in run.records] != shape or (
             run.global_batch != first.global_batch
@@ -180,6 +187,7 @@ def joined(runs: Sequence[Measurement]) -> Measurement:
             ]
         steps += [s + k * step_gap for s in run.steps]
         counted += [s + k * step_gap for s in run.counted]
+        memory_steps += [s + k * step_gap for s in run.memory_steps]
     return Measurement(
         records=tuple(
             replace(r, intervals=tuple(records[r.rank]), peak_bytes=_peak(runs, r.rank))
@@ -188,6 +196,7 @@ def joined(runs: Sequence[Measurement]) -> Measurement:
         steps=tuple(steps),
         counted=tuple(counted),
         global_batch=first.global_batch,
+        memory_steps=tuple(memory_steps),
     )
 
 

@@ -16,6 +16,7 @@ from planner.plan.schema import Plan
 from planner.plan.text import ERROR_CONVENTION, fmt_error, fmt_ranks
 from planner.plan.timeline import ChromeTrace
 from planner.plan.units import MIB
+from runtime.measure.memory import CPU_METHOD
 from runtime.measure.recorder import Measurement
 
 __all__ = ["comparison_table", "trace_json", "write_trace"]
@@ -40,7 +41,8 @@ def comparison_table(plan: Plan, result: Measurement, width: int | None = None) 
     memory, and the last line says which were hidden (``planner.plan.fold``).
     """
     width = width or _width()
-    warm = [s for s in result.steps if s not in set(result.counted)]
+    memory_only = [s for s in result.memory_steps if s not in set(result.counted)]
+    warm = [s for s in result.steps if s not in {*result.counted, *memory_only}]
     title = (
         f"predicted vs measured: pp {plan.pp} × dp {plan.dp}, {plan.schedule}, "
         f"m {plan.micro_batches} × {plan.micro_batch_size}; "
@@ -90,6 +92,7 @@ def comparison_table(plan: Plan, result: Measurement, width: int | None = None) 
     ]
     if warm:
         tail.append(f"step(s) {_span(warm)}: warm-up, not counted")
+    tail += _memory_steps_lines(result, memory_only)
     if with_sync:
         tail.append("* backward + DDP gradient all-reduce (1 micro-batch, dp > 1)")
     elif skip:
@@ -177,3 +180,16 @@ def write_trace(
 ) -> Path:
     """Write :func:`trace_json` to ``path`` atomically; open it in ui.perfetto.dev."""
     return atomic_write(path, json.dumps(trace_json(result, title=title), ensure_ascii=False))
+
+
+def _memory_steps_lines(result: Measurement, memory_only: list[int]) -> list[str]:
+    """Which steps the peak came from, when they are not the timed ones (the CPU's tracking
+    slows the steps it runs in: ``runtime.measure.recorder``)."""
+    if memory_only:
+        return [f"step(s) {_span(memory_only)}: memory measured (tracked, slower), not timed"]
+    if result.memory_steps and any(p.memory_method == CPU_METHOD for p in result.records):
+        return [
+            f"step(s) {_span(list(result.memory_steps))}: timed while memory was tracked "
+            "(slower): run more steps for untracked times, or --no-memory"
+        ]
+    return []

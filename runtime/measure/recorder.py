@@ -33,9 +33,14 @@ without the recorder. Peak memory over the counted steps:
 statistics) the peak of live tensor bytes, counted storage by storage as the
 steps allocate and free them (``runtime.measure.live``): parameters,
 gradients, optimizer state, buffers, activations, the pipeline's receive
-buffers, DDP's buckets. Its cost, one Python call per operator (+2 % on
-examples/mlp.py's step, up to +15 % on a 2-stage GPT's), is inside the CPU's
-measured times (see [Note: tracking live tensor bytes]).
+buffers, DDP's buckets. Its cost is one Python call per operator (see
+[Note: tracking live tensor bytes]): +2 % on examples/mlp.py's step, +30-55 % on
+examples/unet.py's, whose Adam step took 3-5 times as long (many small tensors,
+19 operators each). So on the CPU the peak is measured over the first
+``memory_steps`` steps after warm-up only, and the times come from the steps
+after them, untracked (``Measurement.memory_steps``, ``Measurement.counted``);
+a run too short to have any untracked step times its tracked ones, and
+``comparison_table`` says so.
 
 The first ``warmup_steps`` recorded steps (allocations, first-call costs) are
 left out of the figures. Ranks' clocks are aligned by a barrier when the
@@ -59,9 +64,13 @@ from runtime.measure.memory import MemoryProbe
 if TYPE_CHECKING:
     from runtime.engine import ParallelModel
 
-__all__ = ["Interval", "Measurement", "RankRecord", "Recorder"]
+__all__ = ["MEMORY_STEPS", "Interval", "Measurement", "RankRecord", "Recorder"]
 
 log = logging.getLogger(__name__)
+
+MEMORY_STEPS = 2
+"""CPU: steps after warm-up whose peak memory is measured (tracked, so not timed).
+Two: a steady step's peak, and a check that the next one's is the same size."""
 
 
 # --------------------------------------------------------------------------- recording
@@ -79,8 +88,9 @@ class Recorder:
         first_step: the training step (0-based) the first recorded step is,
             e.g. the step a run resumed at; steps are reported 1-based.
         memory: measure peak memory too; without it (``--no-memory``) nothing is
-            tracked on the CPU, so the times are the steps' own (the tracking
-            adds 2–15 %), and the peak is NaN.
+            tracked on the CPU, and the peak is NaN.
+        memory_steps: on the CPU, the steps after warm-up whose peak memory is
+            measured; they are left out of the times when later steps exist.
     """
 
     def __init__(
@@ -91,10 +101,12 @@ class Recorder:
         keep_steps: int = 50,
         first_step: int = 0,
         memory: bool = True,
+        memory_steps: int = MEMORY_STEPS,
     ):
-        if warmup_steps < 0 or keep_steps < 1:
+        if warmup_steps < 0 or keep_steps < 1 or memory_steps < 1:
             raise ValueError(
-                f"warmup_steps must be ≥ 0 and keep_steps ≥ 1, got {warmup_steps}, {keep_steps}"
+                "warmup_steps must be ≥ 0, keep_steps and memory_steps ≥ 1, got "
+                f"{warmup_steps}, {keep_steps}, {memory_steps}"
             )
         self.pmodel = pmodel
         self.warmup_steps = warmup_steps
@@ -108,6 +120,9 @@ class Recorder:
         self._losses = 0
         self._undo: list[Callable[[], None]] = []
         self._mem = MemoryProbe(self.device) if memory else None
+        # The CPU's tracking slows the steps it runs in: they end here, and are not timed.
+        tracked_cpu = memory and self.device.type != "cuda"
+        self._mem_end = first_step + warmup_steps + memory_steps if tracked_cpu else None
         self._wrap()
         if dist.is_initialized() and self._sync:
             dist.barrier(device_ids=[self.device.index])
@@ -210,7 +225,7 @@ class Recorder:
                 self._mem.count_from_here()  # grads, optimizer state exist now
             self._losses = 0
             self._forget()
-            if self._mem is None:
+            if self._mem is None or (self._mem_end is not None and self._step >= self._mem_end):
                 return self._timed("step", step, _whole)(*args, **kwargs)
             with self._mem.step((args, kwargs)):
                 return self._timed("step", step, _whole)(*args, **kwargs)
@@ -256,12 +271,17 @@ class Recorder:
             assert parts_or_none is not None
             parts = parts_or_none
         recorded = sorted({iv.step for r in parts for iv in r.intervals if iv.kind == "step"})
-        counted = [s for s in recorded if s >= self._first + self.warmup_steps] or recorded
+        after = [s for s in recorded if s >= self._first + self.warmup_steps] or recorded
+        memory_steps = after if self._mem is not None else []
+        if self._mem_end is not None:
+            memory_steps = [s for s in after if s < self._mem_end]
+        counted = [s for s in after if s not in memory_steps] or after
         return Measurement(
             records=tuple(sorted(parts, key=lambda r: r.rank)),
             steps=tuple(recorded),
             counted=tuple(counted),
             global_batch=self.pmodel.plan.global_batch,
+            memory_steps=tuple(memory_steps),
         )
 
     def close(self) -> None:
