@@ -189,13 +189,16 @@ def _check(name: str, data: dict[str, Any]) -> None:
     figures = list(peaks.items()) if isinstance(peaks, dict) else [("", peaks)]
     figures = [(f"peak_flops.{d}", v) for d, v in figures]
     figures += [(k, data[k]) for k in ("memory_bandwidth", "op_overhead_s")]
+    figures += [("cache_bandwidth", data["cache_bandwidth"])]  # 0: the cache is unknown
     for where, v in figures:
         number = isinstance(v, (int, float)) and not isinstance(v, bool)
-        if not (number and math.isfinite(v) and v > 0):
-            raise _BadEntry(f"{name}.{where} is {v!r}, not a finite number > 0")
+        low = 0 if where == "cache_bandwidth" else math.nextafter(0, 1)
+        if not (number and math.isfinite(v) and v >= low):
+            more = "≥ 0" if low == 0 else "> 0"
+            raise _BadEntry(f"{name}.{where} is {v!r}, not a finite number {more}")
 
 
-_CPU_KEYS = {"peak_flops", "memory_bandwidth", "op_overhead_s"}
+_CPU_KEYS = {"peak_flops", "memory_bandwidth", "op_overhead_s", "cache_bandwidth"}
 """The local CPU's speed entry (``planner.devices.local``)."""
 
 

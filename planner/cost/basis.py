@@ -179,6 +179,19 @@ class BlockTable:
         """Per block its parameter tensors' bytes (None: an older profile, unknown)."""
         # [Note: the CPU optimizer step]: parameter tensors, two per module call.
         self.tensors = [0, *accumulate(2 * len(x.modules) if x.param_bytes else 0 for x in b)]
+        self._beyond: dict[float, list[float]] = {}
+
+    def beyond(self, size: float) -> list[float]:
+        """Prefix sums over the blocks of the parameter bytes in tensors larger than
+        ``size`` bytes (a block whose tensors the profile does not list counts whole)."""
+        got = self._beyond.get(size)
+        if got is None:
+            per = []
+            for k, tensors in enumerate(self.param_tensors):
+                whole = self.params[k + 1] - self.params[k]
+                per.append(whole if tensors is None else float(sum(t for t in tensors if t > size)))
+            got = self._beyond[size] = [0.0, *accumulate(per)]
+        return got
 
 
 # [Note: FSDP as it runs] With ``dp_mode: fsdp`` the runtime makes each stage module

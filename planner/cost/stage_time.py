@@ -37,10 +37,10 @@ Pure: no torch. Times in milliseconds.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from planner.cost.basis import CostBasis
+from planner.cost.cpu_step import cpu_step_s, processes_per_node
 from planner.devices.catalogue import Device
 from planner.plan.records import Calibration, ModelProfile
 
@@ -72,20 +72,6 @@ CPU_CORUN_SLOWDOWN = 1.15
 # (before the time-slicing factor, so ~4.6 ms in all) took the step errors of the
 # four examples from −14…−21 % to −7…+2 % (bench/bench_accuracy.py).
 CPU_OVERSUBSCRIBED_WAKEUP_S = 2e-3
-
-# [Note: the CPU optimizer step] On CPU torch steps one parameter tensor at a
-# time (the foreach path is the default on GPUs only): per tensor a run of small
-# ops, each costing a dispatch (the device's measured ``op_overhead_s``), and per
-# parameter the traffic of those ops: Adam reads and writes 18 fp32 values (the
-# moments' updates, sqrt, division, the addcdiv into the weights: 72 B), AdamW one
-# more pass for the decay, SGD with momentum 8 (32 B), at the measured memory
-# bandwidth, split over the process's threads (the ops are elementwise and the
-# tensors, a few MB each, mostly stay in cache). Measured on the 2-core machine:
-# Adam 22 µs per tensor (19 op overheads) and 1.8–5.7 ns per parameter with 1
-# thread (72 B at its 21-23 GB/s: 3.1-3.4), 1.5–2.6 with 2; SGD 6.6 µs per
-# tensor, 0.3–0.7 ns per parameter. Tensors per block: two per module call
-# (weight and bias), the profile does not count them.
-_CPU_STEP = {"adam": (19, 72.0), "adamw": (21, 80.0), "sgd": (6, 32.0)}
 
 # [Note: gloo's all-gather and reduce-scatter] NCCL runs both as rings, each half a
 # ring all-reduce of the whole bytes; gloo does not: its all_gather_into_tensor and
@@ -157,6 +143,7 @@ class StageTime:
         self.wakeup_s = CPU_OVERSUBSCRIBED_WAKEUP_S if self._oversubscribed() else 0.0
         self._kinds: dict[int, list[tuple[Device, int]]] = {}
         self._pairs: dict[int, list[tuple[int, int]]] = {}
+        self._procs: int | None = None
 
     # ----------------------------------------------------------------- compute
 
@@ -258,25 +245,23 @@ class StageTime:
         [Note: the CPU optimizer step].
         """
         b = self.b
-        tab = b.table(s)
-        copies = b.tied_copy_bytes(i, j) / b.param_elem
         n_params = b.stepped(s, i, j)  # ZeRO-1's share, FSDP's shard: [Note: ZeRO-1 shares]
-        cpu = b.cluster.backend == "gloo"
-        if cpu:
-            ops, per_param = _CPU_STEP[b.training.optimizer]
-            moved = n_params * per_param
-            tensors = tab.tensors[j] - tab.tensors[i] + (1 if copies else 0)
-            if b.sharded:  # ZeRO-1: whole tensors, at most ⌈tensors / dp⌉ each (FSDP: all)
-                tensors = math.ceil(tensors / b.layout.dp)
-        else:
-            moved = n_params * (2 * (b.weights_b + b.optim_b) + b.grads_b)
         slowest = 0.0
-        for dev, threads in self._devices(s):
-            t = moved / (dev.memory_bandwidth * dev.memory_efficiency)
-            if cpu:  # every process steps at the end: the steady state's speed
-                t = (t / max(1, threads) + tensors * ops * dev.op_overhead_s) * self.compute_scale
+        for dev, _ in self._devices(s):
+            if b.cluster.backend == "gloo":
+                t = self._cpu_step_s(s, i, j, dev, n_params)
+            else:
+                moved = n_params * (2 * (b.weights_b + b.optim_b) + b.grads_b)
+                t = moved / (dev.memory_bandwidth * dev.memory_efficiency)
             slowest = max(slowest, t)
         return slowest * 1e3 * self.calibration.optimizer_scale
+
+    def _cpu_step_s(self, s: int, i: int, j: int, dev: Device, n_params: float) -> float:
+        """[Note: the CPU optimizer step] of ``n_params`` of blocks [i, j), seconds, at the
+        steady state's speed (every process steps at the end)."""
+        if self._procs is None:
+            self._procs = processes_per_node(self.b)
+        return cpu_step_s(self.b, s, (i, j), dev, n_params, self._procs) * self.compute_scale
 
     def reduce_ms(self, s: int, i: int, j: int) -> float:
         """DDP's all-reduce of stage s's gradients across its replicas (tied copies

@@ -95,6 +95,11 @@ class Device:
         memory_efficiency: achievable fraction of ``memory_bandwidth``.
         op_overhead_s: fixed cost of each operator that does work, seconds.
         source: where the numbers come from.
+        cache_bytes: the local CPU's largest cache (shared by its cores), bytes;
+            0 where unknown and for GPUs ([Note: the CPU optimizer step]).
+        cache_bandwidth: the local CPU's copy bandwidth on data that stays in that
+            cache, bytes/s (read + written), measured like ``memory_bandwidth``; 0
+            where unknown and for GPUs.
     """
 
     key: str
@@ -109,6 +114,8 @@ class Device:
     memory_efficiency: float
     op_overhead_s: float
     source: str
+    cache_bytes: int = 0
+    cache_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpu", "cpu"):

@@ -14,11 +14,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from planner.devices.catalogue import CpuEntry, Device, default_catalogue
 from planner.plan.units import GIB
 
-__all__ = ["forget_measurements", "get_device", "local_accelerator", "local_cpu", "usable_cores"]
+__all__ = [
+    "forget_measurements",
+    "get_device",
+    "largest_cache",
+    "local_accelerator",
+    "local_cpu",
+    "usable_cores",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +66,9 @@ def local_cpu() -> Device:
 
     Peak FLOP/s per dtype come from a square matmul sized to take ~10 ms,
     memory bandwidth from a 64 MiB copy (bytes read + written per second), the
-    per-op overhead from a loop of 1-element adds, memory from the RAM (or the
-    cgroup limit, when lower). Efficiencies are 1.0: the measurements already are
+    cache's from copies of 2 MiB (at most an eighth of the largest cache, which
+    sysfs names), the per-op overhead from a loop of 1-element adds, memory from
+    the RAM (or the cgroup limit, when lower). Efficiencies are 1.0: the measurements already are
     achieved speeds. Cached per ``torch.get_num_threads()``, in the process and in
     the profile cache (one measurement per CPU model and thread count).
 
@@ -86,10 +95,11 @@ def forget_measurements() -> None:
 def _local_cpu_device(entry: CpuEntry, threads: int) -> Device:
     measured = _measure_cpu(threads)
     log.info(
-        "measured the local CPU (%d threads): %s, %.1f GB/s, %.1f us/op",
+        "measured the local CPU (%d threads): %s, %.1f GB/s, in cache %.1f GB/s, %.1f us/op",
         threads,
         ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in measured.peak_flops.items()),
         measured.memory_bandwidth / 1e9,
+        measured.cache_bandwidth / 1e9,
         measured.op_overhead_s * 1e6,
     )
     return Device(
@@ -105,6 +115,8 @@ def _local_cpu_device(entry: CpuEntry, threads: int) -> Device:
         memory_efficiency=1.0,
         op_overhead_s=measured.op_overhead_s,
         source=entry.source,
+        cache_bytes=largest_cache() if measured.cache_bandwidth else 0,
+        cache_bandwidth=measured.cache_bandwidth,
     )
 
 
@@ -113,6 +125,23 @@ class _CpuSpeed:
     peak_flops: dict[str, float]
     memory_bandwidth: float
     op_overhead_s: float
+    cache_bandwidth: float
+
+
+def largest_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Bytes of this CPU's largest data cache (sysfs's ``index*/size`` of a Data or
+    Unified cache, e.g. ``32768K``), 0 where sysfs does not say."""
+    best = 0
+    for index in sorted(Path(root).glob("index*")):
+        try:
+            if (index / "type").read_text().strip() not in ("Data", "Unified"):
+                continue
+            text = (index / "size").read_text().strip().upper()
+            scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * scale)
+        except (OSError, ValueError):
+            continue
+    return best
 
 
 def _median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -148,7 +177,7 @@ def _measure_cpu(threads: int) -> _CpuSpeed:
     """
     from planner import cache
 
-    k = cache.key("local-cpu-speed", _cpu_model(), os.cpu_count(), threads)
+    k = cache.key("local-cpu-speed", 2, _cpu_model(), os.cpu_count(), threads)
     hit = cache.load(k)
     if hit is not None:
         try:
@@ -156,6 +185,7 @@ def _measure_cpu(threads: int) -> _CpuSpeed:
                 peak_flops={str(d): float(v) for d, v in hit["peak_flops"].items()},
                 memory_bandwidth=float(hit["memory_bandwidth"]),
                 op_overhead_s=float(hit["op_overhead_s"]),
+                cache_bandwidth=float(hit["cache_bandwidth"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError):
             log.warning("ignoring a malformed local-CPU entry in the profile cache")
@@ -166,6 +196,7 @@ def _measure_cpu(threads: int) -> _CpuSpeed:
             "peak_flops": speed.peak_flops,
             "memory_bandwidth": speed.memory_bandwidth,
             "op_overhead_s": speed.op_overhead_s,
+            "cache_bandwidth": speed.cache_bandwidth,
         },
     )
     return speed
@@ -195,6 +226,7 @@ def _run_cpu_benchmarks() -> _CpuSpeed:
         src = torch.ones(16 * 2**20, device="cpu")  # 64 MiB
         dst = torch.empty_like(src)
         bandwidth = 2 * src.nbytes / _median_time(lambda: dst.copy_(src), 5)
+        in_cache = _cache_bandwidth(torch, largest_cache())
 
         one = torch.ones(1, device="cpu")
         loops = 1000
@@ -204,7 +236,28 @@ def _run_cpu_benchmarks() -> _CpuSpeed:
                 torch.add(one, one)
 
         overhead = _median_time(adds, 3) / loops
-    return _CpuSpeed(peak_flops=peak, memory_bandwidth=bandwidth, op_overhead_s=overhead)
+    return _CpuSpeed(
+        peak_flops=peak,
+        memory_bandwidth=bandwidth,
+        op_overhead_s=overhead,
+        cache_bandwidth=in_cache,
+    )
+
+
+def _cache_bandwidth(torch: Any, cache_bytes: int) -> float:
+    """Copy bandwidth (read + written) on a buffer that stays in a cache of
+    ``cache_bytes``: 2 MiB, at most an eighth of it; 0 when the cache is unknown."""
+    if cache_bytes <= 0:
+        return 0.0
+    src = torch.ones(max(1024, min(2**21, cache_bytes // 8) // 4), device="cpu")
+    dst = torch.empty_like(src)
+    reps = 32
+
+    def copies() -> None:
+        for _ in range(reps):
+            dst.copy_(src)
+
+    return float(2 * src.nbytes * reps / _median_time(copies, 5))
 
 
 def _total_ram() -> int:

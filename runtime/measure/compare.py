@@ -41,8 +41,6 @@ def comparison_table(plan: Plan, result: Measurement, width: int | None = None) 
     memory, and the last line says which were hidden (``planner.plan.fold``).
     """
     width = width or _width()
-    memory_only = [s for s in result.memory_steps if s not in set(result.counted)]
-    warm = [s for s in result.steps if s not in {*result.counted, *memory_only}]
     title = (
         f"predicted vs measured: pp {plan.pp} × dp {plan.dp}, {plan.schedule}, "
         f"m {plan.micro_batches} × {plan.micro_batch_size}; "
@@ -90,9 +88,7 @@ def comparison_table(plan: Plan, result: Measurement, width: int | None = None) 
         f"({fmt_error(step_pred, result.step_ms)}); throughput predicted {_f(sps_pred, 0)}, "
         f"measured {_f(sps, 0)} samples/s ({fmt_error(sps_pred, sps)})"
     ]
-    if warm:
-        tail.append(f"step(s) {_span(warm)}: warm-up, not counted")
-    tail += _memory_steps_lines(result, memory_only)
+    tail += _uncounted_steps(result)
     if with_sync:
         tail.append("* backward + DDP gradient all-reduce (1 micro-batch, dp > 1)")
     elif skip:
@@ -182,14 +178,18 @@ def write_trace(
     return atomic_write(path, json.dumps(trace_json(result, title=title), ensure_ascii=False))
 
 
-def _memory_steps_lines(result: Measurement, memory_only: list[int]) -> list[str]:
-    """Which steps the peak came from, when they are not the timed ones (the CPU's tracking
-    slows the steps it runs in: ``runtime.measure.recorder``)."""
+def _uncounted_steps(result: Measurement) -> list[str]:
+    """The steps left out of the times: warm-up, and the steps the peak came from when
+    they are not the timed ones (the CPU's tracking slows the steps it runs in:
+    ``runtime.measure.recorder``); or that the timed steps were tracked."""
+    memory_only = [s for s in result.memory_steps if s not in set(result.counted)]
+    warm = [s for s in result.steps if s not in {*result.counted, *memory_only}]
+    out = [f"step(s) {_span(warm)}: warm-up, not counted"] if warm else []
     if memory_only:
-        return [f"step(s) {_span(memory_only)}: memory measured (tracked, slower), not timed"]
-    if result.memory_steps and any(p.memory_method == CPU_METHOD for p in result.records):
-        return [
+        out.append(f"step(s) {_span(memory_only)}: memory measured (tracked, slower), not timed")
+    elif result.memory_steps and any(p.memory_method == CPU_METHOD for p in result.records):
+        out.append(
             f"step(s) {_span(list(result.memory_steps))}: timed while memory was tracked "
             "(slower): run more steps for untracked times, or --no-memory"
-        ]
-    return []
+        )
+    return out
