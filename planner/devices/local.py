@@ -68,9 +68,10 @@ def local_cpu() -> Device:
     memory bandwidth from a 64 MiB copy (bytes read + written per second), the
     cache's from copies of 2 MiB (at most an eighth of the largest cache, which
     sysfs names), the per-op overhead from a loop of 1-element adds, memory from
-    the RAM (or the cgroup limit, when lower). Efficiencies are 1.0: the measurements already are
-    achieved speeds. Cached per ``torch.get_num_threads()``, in the process and in
-    the profile cache (one measurement per CPU model and thread count).
+    the RAM (or the cgroup limit, when lower). Efficiencies are 1.0: the
+    measurements already are achieved speeds. Cached per
+    ``torch.get_num_threads()``, in the process and in the profile cache (one
+    measurement per CPU model and thread count).
 
     Example::
 
