@@ -192,10 +192,10 @@ def _check(name: str, data: dict[str, Any]) -> None:
     figures += [("cache_bandwidth", data["cache_bandwidth"])]  # 0: the cache is unknown
     for where, v in figures:
         number = isinstance(v, (int, float)) and not isinstance(v, bool)
-        low = 0 if where == "cache_bandwidth" else math.nextafter(0, 1)
-        if not (number and math.isfinite(v) and v >= low):
-            more = "≥ 0" if low == 0 else "> 0"
-            raise _BadEntry(f"{name}.{where} is {v!r}, not a finite number {more}")
+        zero = where == "cache_bandwidth"  # may be 0
+        if not (number and math.isfinite(v) and (v >= 0 if zero else v > 0)):
+            least = "≥ 0" if zero else "> 0"
+            raise _BadEntry(f"{name}.{where} is {v!r}, not a finite number {least}")
 
 
 _CPU_KEYS = {"peak_flops", "memory_bandwidth", "op_overhead_s", "cache_bandwidth"}

@@ -10,7 +10,7 @@ import math
 from planner.cost.basis import CostBasis
 from planner.devices.catalogue import Device
 
-__all__ = ["CPU_STEP", "cpu_step_s", "processes_per_node"]
+__all__ = ["CPU_STEP", "cpu_step_s"]
 
 # [Note: the CPU optimizer step] On CPU torch steps one parameter tensor at a
 # time (the foreach path is the default on GPUs only): per tensor a run of small
@@ -67,8 +67,8 @@ def cpu_step_s(
     size = share / touched * b.param_elem
     beyond = tab.beyond(size)
     spilled = beyond[j] - beyond[i] + (copies if copies > size else 0.0)
-    whole = tab.params[j] - tab.params[i] + copies
-    part = n_params * b.param_elem / whole if whole else 0.0  # ZeRO-1, FSDP: a part
+    held = b.held_parameters(s, i, j)
+    part = n_params / held if held else 0.0  # ZeRO-1, FSDP: a part of them
     big = spilled / b.param_elem * part
     small = n_params - big
     memory = dev.memory_bandwidth * dev.memory_efficiency
@@ -76,12 +76,3 @@ def cpu_step_s(
     if small > 0:
         t += small * (once / memory + per_param / dev.cache_bandwidth)
     return t
-
-
-def processes_per_node(b: CostBasis) -> int:
-    """The most processes of the layout on one node (they share its cache)."""
-    c = b.cluster
-    per: dict[object, int] = {}
-    for r in {r for stage in b.layout.ranks for r in stage}:
-        per[c.devices[r].node] = per.get(c.devices[r].node, 0) + 1
-    return max(per.values(), default=1)

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.cost.basis import CostBasis
-from planner.cost.cpu_step import cpu_step_s, processes_per_node
+from planner.cost.cpu_step import cpu_step_s
 from planner.devices.catalogue import Device
 from planner.plan.records import Calibration, ModelProfile
 
@@ -141,9 +141,10 @@ class StageTime:
         self.compute_scale = 1.0 / self.speeds[-1]
         self.comm_scale = self.compute_scale if backend == "gloo" else 1.0
         self.wakeup_s = CPU_OVERSUBSCRIBED_WAKEUP_S if self._oversubscribed() else 0.0
+        # Processes on the busiest node: they share its cache ([Note: the CPU optimizer step]).
+        self._processes = self._cpu_processes()[0] if backend == "gloo" else 1
         self._kinds: dict[int, list[tuple[Device, int]]] = {}
         self._pairs: dict[int, list[tuple[int, int]]] = {}
-        self._procs: int | None = None
 
     # ----------------------------------------------------------------- compute
 
@@ -259,9 +260,7 @@ class StageTime:
     def _cpu_step_s(self, s: int, i: int, j: int, dev: Device, n_params: float) -> float:
         """[Note: the CPU optimizer step] of ``n_params`` of blocks [i, j), seconds, at the
         steady state's speed (every process steps at the end)."""
-        if self._procs is None:
-            self._procs = processes_per_node(self.b)
-        return cpu_step_s(self.b, s, (i, j), dev, n_params, self._procs) * self.compute_scale
+        return cpu_step_s(self.b, s, (i, j), dev, n_params, self._processes) * self.compute_scale
 
     def reduce_ms(self, s: int, i: int, j: int) -> float:
         """DDP's all-reduce of stage s's gradients across its replicas (tied copies

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from planner.devices.catalogue import CpuEntry, Device, default_catalogue
 from planner.plan.units import GIB
@@ -227,7 +226,7 @@ def _run_cpu_benchmarks() -> _CpuSpeed:
         src = torch.ones(16 * 2**20, device="cpu")  # 64 MiB
         dst = torch.empty_like(src)
         bandwidth = 2 * src.nbytes / _median_time(lambda: dst.copy_(src), 5)
-        in_cache = _cache_bandwidth(torch, largest_cache())
+        in_cache = _cache_bandwidth(largest_cache())
 
         one = torch.ones(1, device="cpu")
         loops = 1000
@@ -245,11 +244,13 @@ def _run_cpu_benchmarks() -> _CpuSpeed:
     )
 
 
-def _cache_bandwidth(torch: Any, cache_bytes: int) -> float:
+def _cache_bandwidth(cache_bytes: int) -> float:
     """Copy bandwidth (read + written) on a buffer that stays in a cache of
     ``cache_bytes``: 2 MiB, at most an eighth of it; 0 when the cache is unknown."""
     if cache_bytes <= 0:
         return 0.0
+    import torch
+
     src = torch.ones(max(1024, min(2**21, cache_bytes // 8) // 4), device="cpu")
     dst = torch.empty_like(src)
     reps = 32
