@@ -154,15 +154,9 @@ def capture(
 
 
 def _capture_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
-    modes = [(m, m.training) for m in model.modules()]
-    try:
-        with _quiet_export():
-            ep = torch.export.export(model, args, kwargs, strict=False)
-    finally:
-        # Restore every submodule's own mode (a BatchNorm in eval inside a
-        # training model stays in eval): model.train(x) would reset them all.
-        for m, mode in modes:
-            m.training = mode
+    ep = _export(model, args, kwargs, stack_traces=False)
+    if any(_unbacked(node) for node in ep.graph.nodes):  # their messages name source lines
+        ep = _export(model, args, kwargs, stack_traces=True)
     gm = ep.module()
     _drop_guard_nodes(gm)
     stacks: dict[torch.fx.Node, tuple[ModuleCall, ...]] = {}
@@ -170,11 +164,10 @@ def _capture_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     dynamic: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
         stacks[node] = _normalize_stack(node.meta.get("nn_module_stack"))
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and free_unbacked_symbols(val.shape):
+        if _unbacked(node):
             dynamic.add(node)
         else:
-            values[node] = _value_info(val)
+            values[node] = _value_info(node.meta.get("val"))
     inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     flat = list(torch.utils._pytree.tree_leaves((args, kwargs)))
     if len(flat) != len(inputs):
@@ -193,6 +186,37 @@ def _capture_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         input_names=inputs,
         flat_inputs=flat,
     )
+
+
+def _export(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, stack_traces: bool
+) -> torch.export.ExportedProgram:
+    """``torch.export.export`` (non-strict), the model's train/eval modes kept.
+
+    ``stack_traces=False``: the nodes carry no ``stack_trace``. Recording them took
+    a quarter of the export: 10.2 against 7.4–8.3 s for Llama 70B's 80 layers on the
+    meta device (3 850 nodes). Only the messages about sizes set by the data
+    (:mod:`planner.capture.dynamic`) read them: such a graph is exported again with them.
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    fx_config = torch.fx.config
+    before = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = not stack_traces
+    try:
+        with _quiet_export():
+            return torch.export.export(model, args, kwargs, strict=False)
+    finally:
+        fx_config.do_not_emit_stack_traces = before
+        # Restore every submodule's own mode (a BatchNorm in eval inside a
+        # training model stays in eval): model.train(x) would reset them all.
+        for m, mode in modes:
+            m.training = mode
+
+
+def _unbacked(node: torch.fx.Node) -> bool:
+    """Does ``node``'s value have a size set by the data (an unbacked symbol)?"""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and bool(free_unbacked_symbols(val.shape))
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from planner.solve.prune import Segments
 from planner.solve.segments import SegmentCosts
 
 __all__ = [
+    "CBC_LEAN",
     "MILP_MIN_S",
     "MIP_REL_GAP",
     "HighsSolver",
@@ -203,7 +204,27 @@ def _cbc(**kw: object) -> pulp.LpSolver:
     )
 
 
-def run_cbc(prob: pulp.LpProblem, time_limit: float | None, threads: int | None) -> Outcome:
+CBC_LEAN = ("dualSimplex", "strongBranching 0", "heuristicsOnOff off", "preprocess off")
+"""CBC's options for a model that starts from a good incumbent (``run_cbc(lean=True)``).
+
+Measured on the four step MILPs of Llama 70B on 1024 H100s (4 574–17 009 columns,
+8 345–32 965 rows, each warm-started at the search's placement), CBC 2.10.3, one
+thread: 30, 13, 9 and 24 s with CBC's defaults; 5.3, 4.7, 6.4 and 7.8 s with these, to
+the same optima. Where the time went: CBC's own choice of algorithm for the root LP
+took 19.8 s on the largest, the dual simplex 5.3 s (``dualSimplex`` solves it first; the
+time limit holds for it too); preprocessing and the feasibility pump, which re-find a
+placement the warm start already gives, took 7–12 s after it; strong branching
+doubled the nodes' time on the one whose warm start was not the optimum (0.5 % above).
+"""
+
+
+def run_cbc(
+    prob: pulp.LpProblem, time_limit: float | None, threads: int | None, lean: bool = False
+) -> Outcome:
+    """Solve with CBC (PuLP's command-line CBC, its log parsed for the bound and gap).
+
+    ``lean``: for a model that starts from a good incumbent, ``CBC_LEAN``'s options.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         log_path = os.path.join(tmp, "cbc.log")
         solver = _cbc(
@@ -213,6 +234,7 @@ def run_cbc(prob: pulp.LpProblem, time_limit: float | None, threads: int | None)
             threads=threads,
             warmStart=True,
             logPath=log_path,
+            options=list(CBC_LEAN) if lean else [],
         )
         prob.solve(solver)
         with open(log_path) as f:

@@ -287,7 +287,7 @@ class _Run:
                 prob, limit, self.threads, lean=self.best is not None, node_limit=nodes
             )
         else:
-            outcome = run_cbc(prob, limit, self.threads)
+            outcome = run_cbc(prob, limit, self.threads, lean=self.best is not None)
         self.solver_s += time.perf_counter() - started
         log.info("step MILP: %s", outcome.detail)
         return outcome

@@ -87,9 +87,9 @@ def _brute(p: StepProblem) -> float | None:
     return best
 
 
-@pytest.mark.parametrize("enumerate_max", [0, 10**6])
+@pytest.mark.parametrize(("enumerate_max", "solver"), [(0, "highs"), (0, "cbc"), (10**6, "highs")])
 def test_exact_problems_are_solved_to_the_brute_force_optimum(
-    enumerate_max: int, monkeypatch: pytest.MonkeyPatch
+    enumerate_max: int, solver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(step_module, "ENUMERATE_MAX", enumerate_max)
     for seed in range(30):
@@ -97,14 +97,46 @@ def test_exact_problems_are_solved_to_the_brute_force_optimum(
         best = _brute(p)
         if best is None:
             with pytest.raises(PartitionInfeasible):
-                solve_step(p)
+                solve_step(p, solver=solver)
             continue
-        sol = solve_step(p)
+        sol = solve_step(p, solver=solver)
         assert sol.status == "optimal"
         assert sol.method == ("milp" if enumerate_max == 0 else "enumeration")
         assert sol.step == pytest.approx(best, rel=REL)
         assert sol.step == pytest.approx(p.evaluate(sol.starts), rel=REL)
         assert best * (1 - 1e-6) <= sol.bound <= best * (1 + REL)
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_a_ceiling_asks_only_for_a_placement_below_it(
+    solver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Warm-started at the worst placement, with a ceiling between the optimum and it: the
+    MILP (CBC's lean options included) finds the optimum; with the ceiling below the
+    optimum, the answer is the incumbent, bounded at the ceiling, proven by the MILP."""
+    monkeypatch.setattr(step_module, "ENUMERATE_MAX", 0)
+    checked = 0
+    for seed in range(40):
+        p = _problem(seed)
+        steps = {
+            (0, *c): p.evaluate((0, *c))
+            for c in itertools.combinations(range(1, p.n_blocks), p.n_stages - 1)
+        }
+        best, (worst, top) = min(steps.values()), max(steps.items(), key=lambda kv: kv[1])
+        if top < best * 1.05:
+            continue
+        between = (best + top) / 2
+        sol = solve_step(p, solver=solver, warm_starts=[worst], ceiling=between)
+        if sol.method != "milp":  # the segment bounds decided it
+            continue
+        assert sol.status == "optimal"
+        assert sol.step == pytest.approx(best, rel=REL)
+        below = solve_step(p, solver=solver, warm_starts=[worst], ceiling=best * 0.99)
+        assert below.status == "bounded"
+        assert below.step == pytest.approx(top, rel=REL)
+        assert below.bound == pytest.approx(best * 0.99, rel=REL)
+        checked += 1
+    assert checked >= 5
 
 
 @pytest.mark.parametrize("enumerate_max", [0, 10**6])
