@@ -181,7 +181,7 @@ def _measure_cpu(threads: int) -> _CpuSpeed:
     hit = cache.load(k)
     if hit is not None:
         try:
-            return _CpuSpeed(
+            kept = _CpuSpeed(
                 peak_flops={str(d): float(v) for d, v in hit["peak_flops"].items()},
                 memory_bandwidth=float(hit["memory_bandwidth"]),
                 op_overhead_s=float(hit["op_overhead_s"]),
@@ -189,6 +189,9 @@ def _measure_cpu(threads: int) -> _CpuSpeed:
             )
         except (KeyError, TypeError, ValueError, AttributeError):
             log.warning("ignoring a malformed local-CPU entry in the profile cache")
+        else:
+            _say_drift(kept, *_quick_speed(), threads, cache.cache_dir() / f"profile-{k}.json")
+            return kept
     speed = _run_cpu_benchmarks()
     cache.store(
         k,
@@ -223,24 +226,84 @@ def _run_cpu_benchmarks() -> _CpuSpeed:
             peak[name] = 2 * n**3 / _median_time(functools.partial(torch.mm, a, a), 3)
         peak["tf32"] = peak["fp32"]  # no TF32 on a CPU
 
-        src = torch.ones(16 * 2**20, device="cpu")  # 64 MiB
-        dst = torch.empty_like(src)
-        bandwidth = 2 * src.nbytes / _median_time(lambda: dst.copy_(src), 5)
+        bandwidth, overhead = _copy_and_add(5)
         in_cache = _cache_bandwidth(largest_cache())
-
-        one = torch.ones(1, device="cpu")
-        loops = 1000
-
-        def adds() -> None:
-            for _ in range(loops):
-                torch.add(one, one)
-
-        overhead = _median_time(adds, 3) / loops
     return _CpuSpeed(
         peak_flops=peak,
         memory_bandwidth=bandwidth,
         op_overhead_s=overhead,
         cache_bandwidth=in_cache,
+    )
+
+
+def _copy_and_add(repeats: int) -> tuple[float, float]:
+    """Memory bandwidth (a 64 MiB copy, bytes read + written per second) and the
+    per-op overhead (1-element adds, seconds each): medians of ``repeats``."""
+    import torch
+
+    src = torch.ones(16 * 2**20, device="cpu")  # 64 MiB
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.nbytes / _median_time(lambda: dst.copy_(src), repeats)
+    one = torch.ones(1, device="cpu")
+    loops = 1000
+
+    def adds() -> None:
+        for _ in range(loops):
+            torch.add(one, one)
+
+    return bandwidth, _median_time(adds, 3) / loops
+
+
+DRIFT = 1.5
+"""How many times faster or slower than its cached figures this machine may measure
+before a run says so (:func:`_say_drift`). Repeated measurements of one machine spread
+about 25 % (memory bandwidth 23-29 GB/s at 1 thread); on another day the same shared
+host measured 11.8 GB/s and 2.2 µs per op (against 1.1): twice as slow."""
+
+
+def _quick_speed() -> tuple[float, float]:
+    """:func:`_copy_and_add` of 3 repeats, outside any mode (about 50 ms)."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.no_grad():
+        return _copy_and_add(3)
+
+
+def _say_drift(
+    kept: _CpuSpeed, bandwidth: float, overhead: float, threads: int, path: Path
+) -> None:
+    """Warn when the machine's speed now (``bandwidth``, ``overhead``) is ``DRIFT`` times
+    off the cached figures that price its work: its predictions are then off too."""
+    moved = []
+    for what, now, then, scale, unit in (
+        ("memory bandwidth", bandwidth, kept.memory_bandwidth, 1e-9, "GB/s"),
+        ("time per op", overhead, kept.op_overhead_s, 1e6, "µs"),
+    ):
+        if not 1 / DRIFT <= now / then <= DRIFT:
+            moved.append(
+                f"{what} {now * scale:.2f} {unit} now, {then * scale:.2f} {unit} cached "
+                f"({now / then:.2f}×)"
+            )
+    if not moved:
+        return
+    try:
+        when = time.strftime(" on %Y-%m-%d", time.localtime(path.stat().st_mtime))
+    except OSError:
+        when = ""
+    log.warning(
+        "this machine's CPU (%d thread%s) no longer runs at the speed the planner measured%s: "
+        "%s.\n"
+        "  why: the planner prices local CPU work with figures measured once per CPU model "
+        "and thread count and kept in its cache, so that runs agree; predicted times will be "
+        "off by about as much.\n"
+        "  fix: delete %s to measure again (a shared or throttled host moves; measure when "
+        "it is quiet), or correct the predictions with `planner calibrate`",
+        threads,
+        "" if threads == 1 else "s",
+        when,
+        "; ".join(moved),
+        path,
     )
 
 

@@ -252,3 +252,30 @@ def test_device_rejects_bad_kind():
             nvlink_bandwidth=0.0, pcie_bandwidth=1.0, compute_efficiency=1.0,
             memory_efficiency=1.0, op_overhead_s=0.0, source="test",
         )  # fmt: skip
+
+
+def test_a_machine_whose_speed_moved_since_its_figures_were_cached_says_so(
+    tmp_path, monkeypatch, caplog
+):
+    """The cached figures still price the run (runs agree); the warning gives both figures,
+    the ratio, and the cache file to delete."""
+    from planner.devices import local
+
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path))
+    forget_measurements()
+    first = local_cpu()
+    bw, op = first.memory_bandwidth, first.op_overhead_s
+    for speed, warned in (((bw * 1.2, op * 0.8), False), ((bw / 2, op * 2.2), True)):
+        monkeypatch.setattr(local, "_quick_speed", lambda speed=speed: speed)
+        forget_measurements()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="planner.devices.local"):
+            again = local_cpu()
+        assert (again.memory_bandwidth, again.op_overhead_s) == (bw, op)
+        text = caplog.text
+        assert ("no longer runs at the speed" in text) is warned
+        if warned:
+            assert f"({0.5:.2f}×)" in text and f"({2.2:.2f}×)" in text
+            assert f"{bw / 2e9:.2f} GB/s now, {bw / 1e9:.2f} GB/s cached" in text
+            assert str(next(tmp_path.glob("profile-*.json"))) in text
+    forget_measurements()
