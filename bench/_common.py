@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["config_text", "knobs", "merged", "plan_layout", "table", "write_json"]
+__all__ = ["config_text", "cpu_figures", "knobs", "merged", "plan_layout", "table", "write_json"]
 
 
 def config_text(layout: Any) -> str:
@@ -36,6 +36,35 @@ def plan_layout(plan: Any) -> Any:
         virtual=plan.virtual,
         dp_mode=plan.dp_mode,
     )
+
+
+def cpu_figures() -> dict[str, dict[str, float]]:
+    """This machine's CPU as the planner measures it now, at 1 thread and at every core
+    (per thread count: memory and in-cache bandwidth GB/s, µs per op, fp32 GFLOP/s), in a
+    cache of its own (the planner's may hold another day's figures). A shared host moves
+    from day to day (twice as slow on 2026-12-07), so a results file says what it ran on."""
+    import tempfile
+
+    import torch
+
+    from planner.devices.local import forget_measurements, local_cpu
+
+    before = torch.get_num_threads()
+    out: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp, knobs({"PLANNER_CACHE_DIR": tmp}):
+        for threads in sorted({1, os.cpu_count() or 1}):
+            torch.set_num_threads(threads)
+            forget_measurements()
+            cpu = local_cpu()
+            out[str(threads)] = {
+                "memory_gb_s": round(cpu.memory_bandwidth / 1e9, 2),
+                "cache_gb_s": round(cpu.cache_bandwidth / 1e9, 2),
+                "op_us": round(cpu.op_overhead_s * 1e6, 3),
+                "fp32_gflop_s": round(cpu.flops_per_s("fp32") / 1e9, 1),
+            }
+        forget_measurements()
+    torch.set_num_threads(before)
+    return out
 
 
 @contextlib.contextmanager

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import table, write_json
+from bench._common import cpu_figures, table, write_json
 from planner.plan.text import ERROR_CONVENTION, rel_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -360,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         (int(p), int(d), int(m)) for p, d, m in (c.split(",") for c in args.configs.split(";") if c)
     ] or CONFIGS
     t0 = time.perf_counter()
+    cpu = cpu_figures()  # before the run: it is the machine the cases ran on
+    print(f"this CPU now: {cpu}", flush=True)
     result: dict[str, Any] = {}
     saved_cache = os.environ.get("PLANNER_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="bench-acc-cache-") as cache:
@@ -410,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "wall_s": time.perf_counter() - t0,
         "machine_busy_share": (w.cpu_busy_s() - busy0) / (wall * (os.cpu_count() or 1)),
+        "cpu_measured": cpu,
         "examples": EXAMPLES,
         "quality_models": QUALITY,
         "settings": settings(args.quick, args.memory_only),

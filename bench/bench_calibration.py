@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import table, write_json
+from bench._common import cpu_figures, table, write_json
 from planner.plan.text import ERROR_CONVENTION, rel_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     names = ns.models.split(",") if ns.models else (QUICK_MODELS if ns.quick else list(MODELS))
     started, load0 = time.perf_counter(), _load()
+    cpu = cpu_figures()  # before the run: it is the machine the cases ran on
+    print(f"this CPU now: {cpu}", flush=True)
     rows, cases = [], []
     old = json.loads(OUT.read_text()) if (ns.refit or ns.merge) and OUT.exists() else None
     kept = _kept(old or {"cases": []}, names) if ns.refit else {}
@@ -299,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"merged with {len(others)} cases of {OUT.name} ({old['command']})")
     if ns.refit and old is not None:  # the launches are the earlier run's: its figures stand
         load0, wall_s = old["load_before"], old["wall_s"]
+        cpu = old.get("cpu_measured", {})
     summary = {
         "time_uncalibrated": _stats([c["error"] for c in cases]),
         "time_calibrated": _stats([c["calibrated_error"] for c in cases]),
@@ -311,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command,
         "earlier_commands": earlier,
         "load_before": load0,
+        "cpu_measured": cpu,
         "wall_s": wall_s,
         "launches": ns.launches,
         "steps": f"{STEPS} per launch at least, enough for {COUNTED_S:g} s counted "

@@ -258,7 +258,8 @@ DRIFT = 1.5
 """How many times faster or slower than its cached figures this machine may measure
 before a run says so (:func:`_say_drift`). Repeated measurements of one machine spread
 about 25 % (memory bandwidth 23-29 GB/s at 1 thread); on another day the same shared
-host measured 11.8 GB/s and 2.2 µs per op (against 1.1): twice as slow."""
+host measured 11.8-12.7 GB/s at 1 thread, and 2.0-2.3 µs per op at 2 threads against
+1.13-1.18: about twice as slow."""
 
 
 def _quick_speed() -> tuple[float, float]:
