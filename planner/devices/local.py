@@ -295,9 +295,11 @@ def _say_drift(
     log.warning(
         "this machine's CPU (%d thread%s) no longer runs at the speed the planner measured%s: "
         "%s.\n"
-        "  why: the planner prices local CPU work with figures measured once per CPU model "
-        "and thread count and kept in its cache, so that runs agree; predicted times will be "
-        "off by about as much.\n"
+        "  why: the planner keeps these figures (measured once per CPU model and thread "
+        "count) in its cache so that runs agree, and prices with them what a profile does not "
+        "time: the optimizer step, transfers between processes, per-op costs; profiles cached "
+        "on the same day were timed at that speed too. Those predictions may be off by about "
+        "as much (a noisy host can also mislead one measurement).\n"
         "  fix: delete %s to measure again (a shared or throttled host moves; measure when "
         "it is quiet), or correct the predictions with `planner calibrate`",
         threads,
