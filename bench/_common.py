@@ -42,7 +42,8 @@ def cpu_figures() -> dict[str, dict[str, float]]:
     """This machine's CPU as the planner measures it now, at 1 thread and at every core
     (per thread count: memory and in-cache bandwidth GB/s, µs per op, fp32 GFLOP/s), in a
     cache of its own (the planner's may hold another day's figures). A shared host moves
-    from day to day (twice as slow on 2026-12-07), so a results file says what it ran on."""
+    from day to day (half the memory bandwidth on 2026-12-07 against the day before), so a
+    results file says what it ran on."""
     import tempfile
 
     import torch

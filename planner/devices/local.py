@@ -263,7 +263,7 @@ host measured 11.8-12.7 GB/s at 1 thread, and 2.0-2.3 µs per op at 2 threads ag
 
 
 def _quick_speed() -> tuple[float, float]:
-    """:func:`_copy_and_add` of 3 repeats, outside any mode (about 50 ms)."""
+    """:func:`_copy_and_add` of 3 repeats, outside any mode (about 80 ms)."""
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -275,7 +275,7 @@ def _say_drift(
     kept: _CpuSpeed, bandwidth: float, overhead: float, threads: int, path: Path
 ) -> None:
     """Warn when the machine's speed now (``bandwidth``, ``overhead``) is ``DRIFT`` times
-    off the cached figures that price its work: its predictions are then off too."""
+    off the cached figures: what is priced with them may be off too."""
     moved = []
     for what, now, then, scale, unit in (
         ("memory bandwidth", bandwidth, kept.memory_bandwidth, 1e-9, "GB/s"),
