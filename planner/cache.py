@@ -43,6 +43,7 @@ __all__ = [
     "cache_dir",
     "calibration_key",
     "deferred",
+    "entry_path",
     "key",
     "load",
     "load_calibration",
@@ -70,6 +71,11 @@ def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg) if xdg else Path.home() / ".cache"
     return base / "planner"
+
+
+def entry_path(k: str) -> Path:
+    """The file that holds (or will hold) the entry of key ``k``."""
+    return cache_dir() / f"profile-{k}.json"
 
 
 def key(*parts: Any) -> str:
@@ -119,7 +125,7 @@ def load(k: str) -> dict[str, Any] | None:
     held = _pending.get()
     if held is not None and k in held:
         return json.loads(json.dumps(held[k]))  # a copy, as a read from disk would give
-    path = cache_dir() / f"profile-{k}.json"
+    path = entry_path(k)
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -222,12 +228,12 @@ def store(k: str, data: dict[str, Any]) -> Path | None:
     held = _pending.get()
     if held is not None:
         held[k] = data
-        return cache_dir() / f"profile-{k}.json"
+        return entry_path(k)
     return _write(k, data)
 
 
 def _write(k: str, data: dict[str, Any]) -> Path | None:
-    path = cache_dir() / f"profile-{k}.json"
+    path = entry_path(k)
     try:
         atomic_write(path, json.dumps({"_format": _FORMAT, **data}), durable=True)
     except OSError as exc:

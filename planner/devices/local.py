@@ -190,7 +190,7 @@ def _measure_cpu(threads: int) -> _CpuSpeed:
         except (KeyError, TypeError, ValueError, AttributeError):
             log.warning("ignoring a malformed local-CPU entry in the profile cache")
         else:
-            _say_drift(kept, *_quick_speed(), threads, cache.cache_dir() / f"profile-{k}.json")
+            _say_drift(kept, *_quick_speed(), threads, cache.entry_path(k))
             return kept
     speed = _run_cpu_benchmarks()
     cache.store(
