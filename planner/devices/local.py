@@ -241,9 +241,7 @@ def _copy_and_add(repeats: int) -> tuple[float, float]:
     per-op overhead (1-element adds, seconds each): medians of ``repeats``."""
     import torch
 
-    src = torch.ones(16 * 2**20, device="cpu")  # 64 MiB
-    dst = torch.empty_like(src)
-    bandwidth = 2 * src.nbytes / _median_time(lambda: dst.copy_(src), repeats)
+    bandwidth = _copy_bandwidth(16 * 2**20, 1, repeats)  # 64 MiB: from memory
     one = torch.ones(1, device="cpu")
     loops = 1000
 
@@ -315,17 +313,22 @@ def _cache_bandwidth(cache_bytes: int) -> float:
     ``cache_bytes``: 2 MiB, at most an eighth of it; 0 when the cache is unknown."""
     if cache_bytes <= 0:
         return 0.0
+    return _copy_bandwidth(max(1024, min(2**21, cache_bytes // 8) // 4), 32, 5)
+
+
+def _copy_bandwidth(elements: int, reps: int, repeats: int) -> float:
+    """Bytes read + written per second copying ``elements`` fp32 values ``reps`` times in a
+    row (the median of ``repeats`` such runs)."""
     import torch
 
-    src = torch.ones(max(1024, min(2**21, cache_bytes // 8) // 4), device="cpu")
+    src = torch.ones(elements, device="cpu")
     dst = torch.empty_like(src)
-    reps = 32
 
     def copies() -> None:
         for _ in range(reps):
             dst.copy_(src)
 
-    return float(2 * src.nbytes * reps / _median_time(copies, 5))
+    return float(2 * src.nbytes * reps / _median_time(copies, repeats))
 
 
 def _total_ram() -> int:
