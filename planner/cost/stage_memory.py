@@ -88,12 +88,19 @@ class StageMemoryModel:
           first backward): autograd computes a parameter's gradient into a new
           tensor, then adds it to the one held: the largest such tensor adds
           (examples/gpt.py at pp 2: 16 MiB, 8 and 11 % of the stages' peaks);
+          on the last stage the loss's backward makes no parameter gradient;
         * with FSDP, **the reduce-scatter** at the end of the last backward: the
           weights whole, the gradients whole and the output's shard of them
           ([Note: FSDP as it runs] in :mod:`planner.cost.basis`);
         * **the optimizer step**: all gradients, the optimizer's temporaries; with
           ZeRO-1 then a replica's share of the weights, flat, as it is sent; with
           FSDP shards only (weights, gradients, state and temporaries over 1/dp).
+
+        On the last stage, what the loss saved goes with the loss's backward: a
+        block's backward after it holds the output alone of the two (counted
+        with both, examples/gpt.py at pp 2, m 4, 1F1B was priced 71.1 MiB on its
+        last stage against 63.4 measured; the loss's output-sized gradients and
+        a block's new parameter gradient were counted at once too).
 
         Per micro-batch in flight: the blocks' saved activations (each tensor
         once, charged to the block that made it), and on the last stage the
@@ -135,6 +142,7 @@ class StageMemoryModel:
         recv = m * (stage_input + (0.0 if last else stage_output)) * scale
         acts = tab.act[j] - tab.act[i]
         loss = 2 * stage_output * scale if last else 0.0  # the output, and what the loss saves
+        saved = stage_output * scale if last else 0.0  # what the loss saves: freed by its backward
         per_mb = (0.0 if recompute else acts) + loss
         all_grads = n_params * b.grads_b  # tied copies' gradients: in tied_copies
         # In a block's backward: the gradients of its output and of its input; and the
@@ -146,7 +154,8 @@ class StageMemoryModel:
         _, k = tab.backward_curve(i, j)
         first_grads = tab.grads[j] - tab.grads[k]
         first_acts = tab.act[k + 1] - tab.act[i]
-        moments = [(first_grads, recv + (n - 1) * per_mb + first_acts + loss + grad_tmp, "bwd")]
+        first = recv + (n - 1) * per_mb + first_acts + loss - saved + grad_tmp
+        moments = [(first_grads, first, "bwd")]
         out_grads = 2 * stage_output * scale
         if last:  # the loss's backward opens it: no gradients yet, two output-sized ones
             moments.append((0.0, recv + (n - 1) * per_mb + acts + loss + out_grads, "bwd"))
@@ -158,9 +167,9 @@ class StageMemoryModel:
                 whole = b.held_parameters(s, i, j)
                 grads, new = all_grads + whole * b.wire_b, 0.0
             held = recv + later * per_mb + (acts if recompute else 0) + new
-            moments.append((grads, held + grad_tmp, "bwd"))
-            if last:
-                moments.append((grads, held + out_grads, "bwd"))
+            moments.append((grads, held - saved + grad_tmp, "bwd"))
+            if last:  # the loss's backward: no parameter's gradient in the making yet
+                moments.append((grads, held - new + out_grads, "bwd"))
         temp = self._optimizer_temp(s, i, j)
         if b.fsdp:  # the whole gradients and the reduce-scatter's output; then shards only
             dp = b.layout.dp
