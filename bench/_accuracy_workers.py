@@ -47,12 +47,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from bench._allocations import census, live_at, live_series, profiled, unheld_bytes
 from bench._common import knobs
 from bench._runtime_workers import _count_faults, _init, _own_cpu_s, alternate, cpu_busy_s
 
 ROOT = Path(__file__).resolve().parents[1]
 
 _STEP = "bench.step"  # record_function name prefix of a memory step
+_CENSUS = "bench.census"  # the census before the measured memory steps
 _FIRST_STEADY = 2  # the first memory step whose peak counts
 
 
@@ -230,50 +232,6 @@ def _mark(pm: Any) -> Callable[[], None]:
     return restore
 
 
-def _live_series(
-    prof: Any,
-) -> tuple[list[tuple[int, int]], list[tuple[str, int, int]], set[int]]:
-    """((time ns, live bytes after the event) per allocator event, (name, start, end)
-    marks, the addresses of the blocks allocated in the window and still live)."""
-    from torch._C._profiler import _EventType
-
-    results = prof.profiler.kineto_results
-    stack = list(results.experimental_event_tree())
-    allocs = []
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-            f = e.extra_fields
-            allocs.append((e.start_time_ns, f.ptr, f.alloc_size))
-    allocs.sort()
-    # A free counts only when its block was allocated inside the window: blocks of
-    # earlier cases in this process (freed late, e.g. by the garbage collector) and
-    # blocks from before the profiler do not belong to this case.
-    live, series, mine = 0, [], {}
-    for t, ptr, n in allocs:
-        if n > 0:
-            mine[ptr] = n
-        elif ptr in mine:
-            n = -mine.pop(ptr)
-        else:
-            continue
-        live += n
-        series.append((t, live))
-    events = results.events()
-    marks = [(e.name(), e.start_ns(), e.end_ns()) for e in events if e.name().startswith("bench.")]
-    return series, marks, set(mine)
-
-
-def _live_at(series: list[tuple[int, int]], t: int) -> int:
-    out = 0
-    for ts, v in series:
-        if ts > t:
-            break
-        out = v
-    return out
-
-
 def memory_pass(example: str, plan: Any, steps: int) -> tuple[Any, Any, dict[str, Any]]:
     """Build the case under the profiler and run ``steps`` steps; the peak of the later ones.
 
@@ -281,6 +239,9 @@ def memory_pass(example: str, plan: Any, steps: int) -> tuple[Any, Any, dict[str
     """
     from runtime.measure.memory import stage_state_bytes
 
+    # Steady state: the first step allocates the optimizer state and the pipeline's
+    # buffers, the second rebuilds DDP's buckets (in gradient-ready order).
+    steady = min(_FIRST_STEADY, steps - 1)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("bench.build"):
             pm, batch = _build(example, plan)
@@ -289,30 +250,37 @@ def memory_pass(example: str, plan: Any, steps: int) -> tuple[Any, Any, dict[str
             pass
         restore = _mark(pm)
         step = _stepper(pm, batch)
+        ddps = [st.wrapped for st in pm.stages if st.ddp]
         for k in range(steps):
             dist.barrier()
+            if k == steady:  # [Note: frees on other threads] in bench._allocations
+                with record_function(_CENSUS):
+                    before = census(ddps)
             with record_function(f"{_STEP}{k}"):
                 step()
+        after = census(ddps)
         restore()
-    series, marks, live = _live_series(prof)
+    events, marks = profiled(prof, "bench.")
+    taken = next(a for n, a, _ in marks if n == _CENSUS)
+    series = live_series(events, (taken, before))
+    points = series.points
     spans = {n: (a, b) for n, a, b in marks if n.startswith(_STEP)}
     step_peaks = [
-        max((v for t, v in series if a <= t <= b), default=0)
+        max((v for t, v in points if a <= t <= b), default=0)
         for a, b in (spans[f"{_STEP}{k}"] for k in range(steps))
     ]
-    # Steady state: the first step allocates the optimizer state and the pipeline's
-    # buffers, the second rebuilds DDP's buckets (in gradient-ready order).
-    lo = spans[f"{_STEP}{min(_FIRST_STEADY, steps - 1)}"][0]
-    hi = spans[f"{_STEP}{steps - 1}"][1]
+    lo, hi = spans[f"{_STEP}{steady}"][0], spans[f"{_STEP}{steps - 1}"][1]
     peak, at = 0, lo
-    for t, v in series:
+    for t, v in points:
         if lo <= t <= hi and v > peak:
             peak, at = v, t
     # Where the peak fell: the innermost action span holding it.
-    inside = [(b - a, n) for n, a, b in marks if a <= at <= b and not n.startswith(_STEP)]
+    inside = [
+        (b - a, n) for n, a, b in marks if a <= at <= b and not n.startswith((_STEP, _CENSUS))
+    ]
     where = min(inside)[1].removeprefix("bench.") if inside else "between actions"
     built = next(a for n, a, _ in marks if n == "bench.built")
-    outside = _held_outside(pm, live)
+    outside = _held_outside(pm, set(series.live))
     return (
         pm,
         batch,
@@ -322,8 +290,10 @@ def memory_pass(example: str, plan: Any, steps: int) -> tuple[Any, Any, dict[str
             "step_peaks_bytes": step_peaks,
             "held_outside_stage_bytes": outside,
             "peak_at": where,
-            "live_after_build_bytes": _live_at(series, built),
-            "live_at_step_start_bytes": _live_at(series, lo),
+            "live_after_build_bytes": live_at(points, built),
+            "live_at_step_start_bytes": live_at(points, lo),
+            "unrecorded_free_bytes": series.unrecorded,
+            "unseen_free_in_steps_bytes": unheld_bytes(series, after),
             "state_bytes": stage_state_bytes(pm),
             "ddp_bucket_bytes": _ddp_bucket_bytes(pm),
         },

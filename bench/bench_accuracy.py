@@ -164,6 +164,11 @@ def assess(case: dict[str, Any], meas: dict[str, Any], plan: Any) -> dict[str, A
                 "peak_at": [r["peak_at"] for r in ranks],
                 "memory_measured_with_outside_bytes": max(r["peak_total_bytes"] for r in ranks),
                 "held_outside_stage_bytes": max(r["held_outside_stage_bytes"] for r in ranks),
+                # [Note: frees on other threads] in bench._allocations
+                "unrecorded_free_bytes": max(r.get("unrecorded_free_bytes", 0) for r in ranks),
+                "unseen_free_in_steps_bytes": max(
+                    r.get("unseen_free_in_steps_bytes", 0) for r in ranks
+                ),
                 "rss_bytes": max(r["rss_bytes"] for r in ranks),
                 "memory_breakdown_predicted": st.memory.to_dict(),
                 "state_bytes": [r["state_bytes"] for r in ranks],
@@ -242,6 +247,14 @@ def print_accuracy(rows: list[dict[str, Any]], title: str) -> dict[str, Any]:
         f"stage, up to {outside / mib:.1f} MiB per rank. Load while profiling: other processes "
         f"kept a median {statistics.median(loads) * 100:.0f} % (max {max(loads) * 100:.0f} %) "
         "of the cores busy"
+    )
+    stages = [st for r in rows for st in r["stages"]]
+    dropped = max(st.get("unrecorded_free_bytes", 0) for st in stages)
+    unsure = max(st.get("unseen_free_in_steps_bytes", 0) for st in stages)
+    print(
+        f"  frees the profiler did not record (another thread's): up to {dropped / mib:.1f} MiB "
+        f"per rank dropped before the measured steps, {unsure / mib:.1f} MiB found after "
+        "them (counted: their time is unknown)"
     )
     s = summarize(rows)
     for what, label in {"time": "time", "memory": "memory"}.items():
