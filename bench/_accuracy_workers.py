@@ -59,7 +59,9 @@ _FIRST_STEADY = 2  # the first memory step whose peak counts
 
 
 def example_path(name: str) -> str:
-    return str(ROOT / "examples" / f"{name}.py")
+    """The model file of ``name``: a bundled example, else a model of the zoo (``tests/zoo``)."""
+    bundled = ROOT / "examples" / f"{name}.py"
+    return str(bundled if bundled.exists() else ROOT / "tests" / "zoo" / f"{name}.py")
 
 
 # --------------------------------------------------------------------------- plans
@@ -154,7 +156,10 @@ def _build(example: str, plan: Any) -> tuple[Any, Any]:
 
 
 def _stepper(pm: Any, batch: Any) -> Callable[[], None]:
-    inputs = batch.args[0] if len(batch.args) == 1 and not batch.kwargs else batch.args
+    if batch.kwargs and not batch.args:  # keyword inputs (the zoo's transformers models)
+        inputs: Any = dict(batch.kwargs)
+    else:
+        inputs = batch.args[0] if len(batch.args) == 1 and not batch.kwargs else batch.args
 
     def run() -> None:
         pm.step(inputs, batch.targets)

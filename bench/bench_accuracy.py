@@ -58,6 +58,14 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "resnet": {"env": {"RESNET_WIDTH": "16"}, "batch": 16},
     "unet": {"env": {}, "batch": 8},
 }
+ZOO: dict[str, dict[str, Any]] = {
+    # ``--zoo``: models of the zoo (``tests/zoo``: transformers, torchvision, timm), the
+    # calibration benchmark's, at its global batch.
+    "hf_bert": {"env": {}, "batch": 16},
+    "hf_llama": {"env": {}, "batch": 16},
+    "tv_mobilenetv3": {"env": {}, "batch": 16},
+    "timm_vit": {"env": {}, "batch": 16},
+}
 CONFIGS = [(1, 1, 1), (2, 1, 4), (2, 1, 8), (1, 2, 1), (2, 2, 4)]
 QUALITY: dict[str, dict[str, Any]] = {
     "gpt-16k": {
@@ -344,10 +352,13 @@ def repredict(path: str) -> int:
     return 0
 
 
-def _cases(only: list[str], configs: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
+def _cases(
+    only: list[str], configs: list[tuple[int, int, int]], zoo: bool = False
+) -> list[dict[str, Any]]:
+    models = {**EXAMPLES, **(ZOO if zoo else {})}
     return [
         {"name": f"{name} ({pp},{dp},{m})", "example": name, "config": (pp, dp, m), **ex}
-        for name, ex in EXAMPLES.items()
+        for name, ex in models.items()
         if not only or name in only
         for pp, dp, m in configs
     ]
@@ -365,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         "--memory-only", action="store_true", help="one timed step per case (memory is exact)"
     )
     ap.add_argument("--repredict", default="", help="re-price a results file and exit")
+    ap.add_argument("--zoo", action="store_true", help="add the zoo's models (ZOO)")
     args = ap.parse_args(argv)
     if args.repredict:
         return repredict(args.repredict)
@@ -386,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         busy0, wall0 = w.cpu_busy_s(), time.monotonic()
         if not args.skip_accuracy:
             print("accuracy: each case planned (profiled) in its world, then run", flush=True)
-            cases = _cases(only, configs)
+            cases = _cases(only, configs, args.zoo)
             measured = run_accuracy(cases, args.quick, args.memory_only)
             rows = [assess(c, m, m["plan"]) for c, m in zip(cases, measured, strict=True)]
             summary = print_accuracy(
@@ -418,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         os.environ["PLANNER_CACHE_DIR"] = saved_cache
     result["meta"] = {
-        "command": "python -m bench.bench_accuracy" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python -m bench.bench_accuracy", *(argv or sys.argv[1:])]),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "machine": platform.machine(),
@@ -427,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine_busy_share": (w.cpu_busy_s() - busy0) / (wall * (os.cpu_count() or 1)),
         "cpu_measured": cpu,
         "examples": EXAMPLES,
+        "zoo": ZOO if args.zoo else {},
         "quality_models": QUALITY,
         "settings": settings(args.quick, args.memory_only),
         "note": f"{ERROR_CONVENTION}. Step: median over quiet rounds "
