@@ -167,6 +167,18 @@ class BlockTable:
         grads = [p * grad_per_param_byte for p in self.params]
         self.backward_curve = RangeMax([self.act[k + 1] - grads[k] for k in range(self.n)])
         self.grads = grads
+        # A later backward: at block k's, the activations of blocks ..k and the new
+        # gradient of its parameters (the largest block's, or a tied tensor it uses).
+        tied = [0.0] * self.n
+        for t in prof.tied:
+            for u in t.blocks:
+                tied[u] = max(tied[u], float(t.nbytes))
+        self.later_curve = RangeMax(
+            [
+                self.act[k + 1] + grad_per_param_byte * max(float(b[k].param_bytes), tied[k])
+                for k in range(self.n)
+            ]
+        )
         # A block's backward holds its output's gradient and its input's: the sums of
         # neighbouring outputs (the first block of a stage uses the stage's input).
         pairs = [self.output[k] + (self.output[k - 1] if k else 0.0) for k in range(self.n)]

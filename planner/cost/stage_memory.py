@@ -87,8 +87,11 @@ class StageMemoryModel:
           micro-batches in flight in 1F1B's steady state, n − 1 after GPipe's
           first backward): autograd computes a parameter's gradient into a new
           tensor, then adds it to the one held: the largest such tensor adds
-          (examples/gpt.py at pp 2: 16 MiB, 8 and 11 % of the stages' peaks);
-          on the last stage the loss's backward makes no parameter gradient;
+          (examples/gpt.py at pp 2: 16 MiB, 8 and 11 % of the stages' peaks),
+          as the micro-batch run backward still holds its blocks' activations
+          up to the block making it (``max over k``: an embedding's, made last,
+          meets that micro-batch's smallest activations); on the last stage the
+          loss's backward makes no parameter gradient;
         * with FSDP, **the reduce-scatter** at the end of the last backward: the
           weights whole, the gradients whole and the output's shard of them
           ([Note: FSDP as it runs] in :mod:`planner.cost.basis`);
@@ -166,10 +169,15 @@ class StageMemoryModel:
             if b.fsdp and b.cast_b:  # [Note: FSDP as it runs]: those so far kept in bf16
                 whole = b.held_parameters(s, i, j)
                 grads, new = all_grads + whole * b.wire_b, 0.0
-            held = recv + later * per_mb + (acts if recompute else 0) + new
+            # The micro-batch run backward: whole before its backward; at block k's, its
+            # activations of blocks ..k and block k's new gradient (the largest block's
+            # when it is early: an embedding, on a language model's first stage).
+            before = recv + (later - 1) * per_mb + loss + acts
+            current = min(acts + new, tab.later_curve(i, j)[0] - tab.act[i]) if new else acts
+            held = before - acts + current
             moments.append((grads, held - saved + grad_tmp, "bwd"))
             if last:  # the loss's backward: no parameter's gradient in the making yet
-                moments.append((grads, held - new + out_grads, "bwd"))
+                moments.append((grads, before + out_grads, "bwd"))
         temp = self._optimizer_temp(s, i, j)
         if b.fsdp:  # the whole gradients and the reduce-scatter's output; then shards only
             dp = b.layout.dp

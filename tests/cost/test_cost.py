@@ -128,6 +128,21 @@ def test_1f1b_steady_state_and_the_last_stage() -> None:
     assert last.activations == 16 * MB + 1 * MB + 16 * MB + 5 * MB + 4 * MB
 
 
+def test_a_later_backward_meets_an_early_large_block_without_the_later_activations() -> None:
+    """The largest block first (an embedding on a language model's first stage): its new
+    gradient appears at its own backward, the last of the micro-batch, when the later
+    blocks' activations are gone (examples/gpt.py at pp 2, m 4, 1F1B, its first stage:
+    90.2 MiB priced at that moment, 85.4 measured at the optimizer step)."""
+    prof = _profile()
+    blocks = (replace(prof.blocks[0], param_bytes=64 * MB), *prof.blocks[1:])
+    mem = _model(pp=2, m=8, schedule="1f1b", prof=replace(prof, blocks=blocks)).memory(0, 0, 2)
+    assert mem.grads == 68 * MB
+    # Receive buffers 8 × (0.5 + 2), the other micro-batch in flight (16); the one run
+    # backward: block 0's activations (8) and its new 64 MiB gradient, not block 1's 8
+    # with them; block 1's gradient pair (1 + 1).
+    assert mem.activations == 20 * MB + 16 * MB + 8 * MB + 64 * MB + 2 * MB
+
+
 def test_a_later_loss_backward_makes_no_parameter_gradient() -> None:
     """On the last stage with m > 1, the loss's backward holds every gradient, the output,
     what the loss saved and two output-sized gradients, but no new parameter gradient;
