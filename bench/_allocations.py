@@ -60,11 +60,11 @@ def census(ddps: Iterable[Any]) -> Census:
     """A :class:`Census` now; ``ddps``: this rank's ``DistributedDataParallel`` modules.
 
     Between two steps no tensor is saved for a backward, so what is neither seen by
-    the garbage collector nor a bucket is held by nothing. The buckets' sizes come
-    from the reducer itself (zeros shaped like its buckets, freed at once): DDP's
-    logging data names the rebuilt buckets one step late.
+    the garbage collector nor a bucket is held by nothing. The buckets' sizes:
+    :func:`runtime.measure.memory.ddp_bucket_sizes` (the reducer's own).
     """
     from runtime.measure.live import live_tensors
+    from runtime.measure.memory import ddp_bucket_sizes
 
     seen = set()
     for t in live_tensors(torch.device("cpu")):
@@ -72,11 +72,7 @@ def census(ddps: Iterable[Any]) -> Census:
             seen.add(t.untyped_storage().data_ptr())
         except (NotImplementedError, RuntimeError):  # wrapper subclasses
             continue
-    sizes = [
-        b.buffer().numel() * b.buffer().element_size()
-        for d in ddps
-        for b in d.reducer._get_zeros_like_grad_buckets()
-    ]
+    sizes = [n for d in ddps for n in ddp_bucket_sizes(d)]
     return Census(frozenset(seen), tuple(sizes))
 
 

@@ -142,10 +142,10 @@ def _bucket_storages(seen: Sequence[torch.Tensor], ddps: Sequence[Any]) -> set[i
     """The data addresses of DDP's buckets among the storages of ``seen`` (tensors the
     garbage collector sees), which the held bytes count already.
 
-    A bucket is a flat tensor of a bucket's bytes (:func:`ddp_bucket_sizes`), seen as
-    the views of it handed out as parameter-shaped gradients' sources, or itself. Not
-    a parameter's or a gradient's storage; storages seen through views are taken
-    first, and no more of a size than DDP has buckets of it.
+    A bucket is a flat tensor of a bucket's bytes (:func:`ddp_bucket_sizes`), seen
+    through parameter-shaped views of it, or itself; never a parameter's or a
+    gradient's storage. Storages seen through views are taken first, and no more of
+    a size than DDP has buckets of it.
     """
     sizes = collections.Counter(n for d in ddps for n in ddp_bucket_sizes(d))
     if not sizes:
