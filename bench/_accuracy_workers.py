@@ -156,10 +156,7 @@ def _build(example: str, plan: Any) -> tuple[Any, Any]:
 
 
 def _stepper(pm: Any, batch: Any) -> Callable[[], None]:
-    if batch.kwargs and not batch.args:  # keyword inputs (the zoo's transformers models)
-        inputs: Any = dict(batch.kwargs)
-    else:
-        inputs = batch.args[0] if len(batch.args) == 1 and not batch.kwargs else batch.args
+    inputs = batch.inputs()  # a dict for keyword inputs (the zoo's transformers models)
 
     def run() -> None:
         pm.step(inputs, batch.targets)

@@ -120,7 +120,7 @@ class Feed:
 
         feed = Feed.of(load_model_file("model.py"), plan, replica=0, seed=0)
         batch = feed.batch(step)   # this replica's shard with dataset(), else the global batch
-        loss = pmodel.step(batch.args or batch.kwargs, batch.targets)
+        loss = pmodel.step(batch.inputs(), batch.targets)
 
     Attributes:
         model_file: the loaded model file.

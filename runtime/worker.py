@@ -56,7 +56,6 @@ from typing import IO, Any
 import torch
 from torch import nn
 
-from planner.plan.batch import Batch
 from planner.plan.fields import from_namespace
 from planner.plan.files import load_plan
 from planner.plan.measured import save_measurement
@@ -209,7 +208,7 @@ def _loop(
             _say(lead, f"warming up: step {step + 1} makes the first allocations and lazy set-up")
         batch = feed.batch(step)
         seed_step(pm, step, opts.seed)
-        loss = pm.step(_inputs(batch), batch.targets)
+        loss = pm.step(batch.inputs(), batch.targets)
         secs = pm.last_step_s or float("nan")
         skipped = "  (update skipped: non-finite)" if pm.last_step_skipped else ""
         _say(
@@ -259,15 +258,6 @@ class _StepLog:
 def _say(lead: bool, text: str) -> None:
     if lead:
         print(text, flush=True)
-
-
-def _inputs(batch: Batch) -> Any:
-    if batch.args and batch.kwargs:
-        raise ValueError(
-            "the batch's inputs hold both positional and keyword arguments; the runtime "
-            "passes one kind: make sample_batch (or collate) return a tuple or a dict"
-        )
-    return dict(batch.kwargs) if batch.kwargs else batch.args
 
 
 def _optimizer(

@@ -127,3 +127,17 @@ class Batch:
             ValueError: no tensor with a dim 0 among the inputs.
         """
         return batch_size_of(self.args, self.kwargs)
+
+    def inputs(self) -> Any:
+        """The forward's inputs as ``ParallelModel.step`` takes them: the keyword arguments
+        (a dict), else the positional ones (a tuple).
+
+        Raises:
+            ValueError: both kinds at once (the runtime passes one).
+        """
+        if self.args and self.kwargs:
+            raise ValueError(
+                "the batch's inputs hold both positional and keyword arguments; the runtime "
+                "passes one kind: make sample_batch (or collate) return a tuple or a dict"
+            )
+        return dict(self.kwargs) if self.kwargs else self.args

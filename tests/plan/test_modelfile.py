@@ -301,6 +301,15 @@ def test_batch_size_reads_the_first_tensor() -> None:
         _ = Batch(args=(torch.tensor(1.0),), kwargs={}, targets=None).size
 
 
+def test_batch_inputs_are_one_kind_as_the_step_takes_them() -> None:
+    x = torch.zeros(4, 3)
+    assert Batch(args=(x,), kwargs={}).inputs() == (x,)
+    assert Batch(args=(), kwargs={"ids": x}).inputs() == {"ids": x}
+    assert normalize_inputs(Batch(args=(), kwargs={"ids": x}).inputs()) == ((), {"ids": x})
+    with pytest.raises(ValueError, match="both positional and keyword"):
+        Batch(args=(x,), kwargs={"mask": x}).inputs()
+
+
 # ----------------------------------------------------------------------------- default loss
 
 

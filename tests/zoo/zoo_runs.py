@@ -138,10 +138,6 @@ def _batch(mf: ModelFile, size: int, step: int) -> Any:
         return mf.sample(size)
 
 
-def _inputs(batch: Any) -> Any:
-    return dict(batch.kwargs) if batch.kwargs else batch.args
-
-
 def _build(mf: ModelFile) -> torch.nn.Module:
     torch.manual_seed(SEED)
     return mf.build()
@@ -166,7 +162,7 @@ def run_worker(cases: list[tuple[str, str]]) -> dict[str, Any]:
             sample=(first.args, first.kwargs),
             timeout_s=120,
         )
-        loss = pm.step(_inputs(first), first.targets)
+        loss = pm.step(first.inputs(), first.targets)
         out[plan_path] = {"loss": loss, "method": pm.stage.method}
     return out
 
@@ -198,7 +194,7 @@ def parity_worker(cases: list[tuple[str, str]]) -> dict[str, Any]:
             sample=(batches[0].args, batches[0].kwargs),
             timeout_s=120,
         )
-        losses = [pm.step(_inputs(b), b.targets) for b in batches]
+        losses = [pm.step(b.inputs(), b.targets) for b in batches]
         trained = pm.state_dict()
         if dist.get_rank() != 0:
             continue
