@@ -43,7 +43,13 @@ from planner.profile.loss_check import checked_loss
 from planner.profile.meta import has_real, meta_twin, needs_values, shapes_only_error, to_meta
 from planner.profile.ownership import Owners, param_nbytes, saved_bytes
 from planner.profile.repeats import priced
-from planner.profile.runner import BlockRunner, analytic_loss_ms, forward_pass, requires_grad
+from planner.profile.runner import (
+    BlockRunner,
+    analytic_loss_ms,
+    forward_pass,
+    model_output,
+    requires_grad,
+)
 from planner.profile.state import preserved, threads_set
 from planner.profile.timing import Progress, measure_blocks
 
@@ -227,7 +233,7 @@ def profile_chain(
         needs_grad = requires_grad(cap)
         runners = [BlockRunner(cap, b, values, needs_grad) for b in chain.blocks]
         loss = checked_loss(loss_fn, cap)  # a data-dependent batch size, explained
-        times = _times(model, cap, chain, runners, device, targets, loss, options, progress)
+        times = _times(model, cap, chain, runners, values, device, targets, loss, options, progress)
     # Every byte figure is in the profile's dtype: an analytic bf16 profile of an
     # fp32 model halves parameters as well as activations, so that the cost
     # model's bytes / dtype size gives the parameter count.
@@ -263,6 +269,7 @@ def _times(
     cap: Captured,
     chain: BlockChain,
     runners: list[BlockRunner],
+    values: dict[Any, Any],
     device: Device,
     targets: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
@@ -275,7 +282,8 @@ def _times(
     if options.analytic:
         loss = (0.0, 0.0)
         if loss_fn is not None:
-            loss = analytic_loss_ms(model, cap, targets, loss_fn, device, options.dtype)
+            out = model_output(cap, values)
+            loss = analytic_loss_ms(out, targets, loss_fn, device, options.dtype)
         fwd_ms, bwd_ms = [c.time_s * 1e3 for c in fwd], [c.time_s * 1e3 for c in bwd]
         return _Times(fwd, bwd, fwd_ms, bwd_ms, loss_ms=loss)
     got = measure_blocks(model, cap, runners, targets, loss_fn, options, progress)

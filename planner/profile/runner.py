@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch import nn
 
 from planner.capture.blocks import Block
 from planner.capture.subgraph import extract
@@ -30,6 +29,7 @@ __all__ = [
     "attr",
     "forward_pass",
     "loss_inputs",
+    "model_output",
     "requires_grad",
     "storage_key",
 ]
@@ -233,18 +233,24 @@ def loss_inputs(out: Any) -> tuple[Any, list[torch.Tensor]]:
     return detached, leaves
 
 
+def model_output(cap: Captured, values: dict[torch.fx.Node, Any]) -> Any:
+    """The model's output as its forward returns it (a structure, a ``ModelOutput``...),
+    from the values :func:`forward_pass` computed: the model is not run again."""
+    graph = cap.gm.graph
+    node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    return graph.process_outputs(values[node])
+
+
 def analytic_loss_ms(
-    model: nn.Module,
-    cap: Captured,
+    output: Any,
     targets: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     device: Device,
     dtype: str | None,
 ) -> tuple[float, float]:
-    """The loss's forward and backward priced on ``device`` (ms), as a block's are."""
-    with torch.no_grad():
-        out = model(*cap.sample_args, **cap.sample_kwargs)
-    out, leaves = loss_inputs(out)
+    """The loss's forward and backward on the model's ``output`` (:func:`model_output`),
+    priced on ``device`` (ms), as a block's are."""
+    out, leaves = loss_inputs(output)
     mode = OpCostMode(device, dtype_override=dtype)
     with mode:
         with mode.phase("fwd"):
