@@ -145,11 +145,21 @@ def layouts(cluster: Cluster, pp: int, dp: int) -> list[tuple[str, Grid]]:
 
 
 def _signature(cluster: Cluster, grid: Grid) -> tuple[object, ...]:
-    """Layouts with equal device types and node pattern cost the same."""
+    """Layouts with equal device types and node pattern cost the same.
+
+    The pattern is which positions of the grid share a node (nodes numbered as the
+    grid first meets them): the cost model asks only whether two ranks share one.
+    On single-device nodes "pipeline-inside" and "replicas-inside" are then one
+    layout (every link between nodes), as on one node.
+    """
     if cluster.homogeneous and cluster.n_nodes == 1:
         return ()
+    seen: dict[int, int] = {}
     return tuple(
-        tuple((cluster.devices[r].device.key, cluster.devices[r].node) for r in stage)
+        tuple(
+            (cluster.devices[r].device.key, seen.setdefault(cluster.devices[r].node, len(seen)))
+            for r in stage
+        )
         for stage in grid
     )
 

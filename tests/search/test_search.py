@@ -108,6 +108,17 @@ def test_layouts_for_mixed_devices_try_both_orders() -> None:
     assert len(layouts(homo, 2, 2)) == 1
 
 
+def test_layouts_that_differ_only_by_node_names_are_one() -> None:
+    """Single-device nodes: every link crosses nodes in both layouts (they cost the same;
+    10,000 such nodes solved each configuration twice). Two nodes of two: they differ."""
+    from planner.devices import parse_cluster
+
+    singles = parse_cluster({"nodes": [{"type": "h100", "count": 1, "repeat": 6}]})
+    assert [name for name, _ in layouts(singles, 2, 3)] == ["pipeline-inside"]
+    pairs = parse_cluster({"nodes": [{"type": "h100", "count": 2, "repeat": 2}]})
+    assert [name for name, _ in layouts(pairs, 2, 2)] == ["pipeline-inside", "replicas-inside"]
+
+
 # ---------------------------------------------------------------- several stages per rank
 
 
