@@ -348,8 +348,8 @@ class _StageDDP(DistributedDataParallel):
     blocking collective over the replicas, once per micro-batch. Buffers the
     forward never writes (position ids, rotary tables, masks) need none: DDP made
     them equal at construction. So the broadcast starts off; the first forward
-    shows whether the stage writes a buffer (BatchNorm's running statistics: a
-    written tensor's version counter moves), the replicas agree on it (one
+    in training mode shows whether the stage writes a buffer (BatchNorm's running
+    statistics: a written tensor's version counter moves), the replicas agree on it (one
     all-reduce of the flag) and the broadcast is on from then if any does. The
     buffers are DDP's either way: equal before the first forward (the
     construction's sync), rank 0's before every later one. BERT from
@@ -364,7 +364,7 @@ class _StageDDP(DistributedDataParallel):
         self.writes_buffers: bool | None = None if self.modules_buffers else False
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.writes_buffers is not None:
+        if self.writes_buffers is not None or not self.module.training:  # decided in training
             return super().forward(*inputs, **kwargs)
         versions = [b._version for b in self.modules_buffers]
         out = super().forward(*inputs, **kwargs)

@@ -71,6 +71,11 @@ def _both() -> dict[str, Any]:
     reference.load_state_dict(norm.state_dict())
     first = ddp.module[0](_batch(0, 0)).detach()
     norm_calls = _counted(ddp)
+    ddp.eval()  # an evaluation first (BatchNorm writes nothing): it decides nothing
+    with torch.no_grad():
+        ddp(_batch(rank, 0))
+    undecided = ddp.writes_buffers
+    ddp.train()
     for k in range(2):
         ddp(_batch(rank, k)).sum().backward()
     with torch.no_grad():
@@ -78,7 +83,7 @@ def _both() -> dict[str, Any]:
         reference(ddp.module[0](_batch(rank, 1)))
     out = {
         "constant": (constant.writes_buffers, constant_calls[0]),
-        "norm": (ddp.writes_buffers, norm_calls[0]),
+        "norm": (undecided, ddp.writes_buffers, norm_calls[0]),
         "stats": (norm.running_mean.clone(), reference.running_mean.clone()),
     }
     dist.destroy_process_group()
@@ -89,7 +94,7 @@ def _both() -> dict[str, Any]:
 def test_only_written_buffers_are_broadcast() -> None:
     for rank, got in enumerate(run_world(_both, 2, timeout_s=90)):
         assert got["constant"] == (False, 0), rank  # a constant buffer: no broadcast at all
-        assert got["norm"] == (True, 1), rank  # written: broadcast before the second forward
+        assert got["norm"] == (None, True, 1), rank  # written: broadcast before the second
         # ...so every rank starts its second batch from rank 0's statistics (DDP's rule).
         ours, expected = got["stats"]
         torch.testing.assert_close(ours, expected)
