@@ -269,7 +269,7 @@ def _retype_graph(
     tensors_in = [t for t in ins if t is not None]
     for node, seen in zip(placeholders, tensors_in, strict=False):
         _retype_node(node, seen)
-    output = next(n for n in graph.nodes if n.op == "output")
+    output = graph.output_node()
     nodes = [a for a in pytree.tree_leaves(output.args) if isinstance(a, torch.fx.Node)]
     for node, seen in zip(nodes, [t for t in outs if t is not None], strict=False):
         _retype_node(node, seen)

@@ -74,7 +74,7 @@ def data_dependent_outputs(cap: Captured) -> list[tuple[SizeOrigin, ...] | None]
         operations that bound the symbols of that size (at least one).
     """
     graph = cap.gm.graph
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    output = graph.output_node()
     flat = tree_leaves(output.args[0])  # export's are flat already; constants stay in place
     binders: dict[object, torch.fx.Node] = {}
     for node in graph.nodes:

@@ -237,8 +237,7 @@ def model_output(cap: Captured, values: dict[torch.fx.Node, Any]) -> Any:
     """The model's output as its forward returns it (a structure, a ``ModelOutput``...),
     from the values :func:`forward_pass` computed: the model is not run again."""
     graph = cap.gm.graph
-    node = next(n for n in reversed(graph.nodes) if n.op == "output")
-    return graph.process_outputs(values[node])
+    return graph.process_outputs(values[graph.output_node()])
 
 
 def analytic_loss_ms(

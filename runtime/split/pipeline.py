@@ -126,7 +126,7 @@ def output_restorer(pipe: Any, spec: pytree.TreeSpec | None) -> Callable[[Any], 
     output in profiling, planning and training alike.
     """
     graph = pipe.split_gm.graph
-    output = next(x for x in graph.nodes if x.op == "output")
+    output = graph.output_node()
     leaves: list[torch.fx.Node] = []
     torch.fx.node.map_arg(output.args, leaves.append)
     picks = [None if x.op == "call_module" else x.args[1] for x in leaves]

@@ -91,7 +91,7 @@ def relay(pipe: Any) -> None:
     graph: torch.fx.Graph = root.graph
     stages = [x for x in graph.nodes if x.op == "call_module"]
     inputs = [x for x in graph.nodes if x.op == "placeholder"]
-    output = _output(graph)
+    output = graph.output_node()
     index = {node: i for i, node in enumerate(stages)}
     _check_chain(graph, index)
     n = len(stages)
@@ -177,10 +177,6 @@ def _placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [x for x in graph.nodes if x.op == "placeholder"]
 
 
-def _output(graph: torch.fx.Graph) -> torch.fx.Node:
-    return next(x for x in graph.nodes if x.op == "output")
-
-
 def _meta(value: Any) -> Any:
     return value.meta.get("val") if isinstance(value, torch.fx.Node) else value
 
@@ -195,7 +191,7 @@ def _values(
         for p, arg in zip(_placeholders(graph), node.args, strict=True):
             if arg.op == "placeholder" and vals.get(("input", arg.name)) is None:
                 vals[("input", arg.name)] = p.meta.get("val")
-        out = _output(graph).args[0]
+        out = graph.output_node().args[0]
         if isinstance(out, (tuple, list)):
             for j, leaf in enumerate(out):
                 vals[("stage", (k, j))] = _meta(leaf)
@@ -253,7 +249,7 @@ def _rewrite_stage(
                     user.replace_input_with(p, guard)
                 local[src] = guard
     if sends is not None:
-        out_node = _output(graph)
+        out_node = graph.output_node()
         made: Any = out_node.args[0]
         results = []
         for src in sends:
@@ -270,7 +266,7 @@ def _rewrite_stage(
             results.append(value)
         out_node.args = (tuple(results),)
     elif tail:
-        out_node = _output(graph)
+        out_node = graph.output_node()
         made = out_node.args[0]
         own = tuple(made) if isinstance(made, (tuple, list)) else (made,)
         out_node.args = (own + tuple(local[src] for src in tail),)
