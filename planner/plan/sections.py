@@ -306,9 +306,10 @@ class Candidate(Record):
     ``status``: "chosen", "slower" (solved, lost on time), "faster" (solved and
     predicted faster, but within the robust band of the fastest and less sturdy
     than the chosen one: :class:`~planner.plan.choice.ChoiceRecord`),
-    "out_of_memory" (no placement fits), "pruned" (a lower bound already lost),
-    "timeout". ``reason`` says why in words. ``virtual``: stages per pipeline rank;
-    ``dp_mode``: as ``LayoutPlan``'s.
+    "out_of_memory" (no placement fits), "pruned" (a lower bound already lost, or
+    it can be neither the fastest nor the one kept: [Note: robust band]), "timeout".
+    ``reason`` says why in words. ``virtual``: stages per pipeline rank; ``dp_mode``:
+    as ``LayoutPlan``'s.
     """
 
     pp: int

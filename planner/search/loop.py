@@ -39,7 +39,7 @@ from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
 from planner.plan.choice import ChoiceRecord
 from planner.plan.schedule import stage_ranks
-from planner.plan.sections import Candidate, dp_mode_suffix
+from planner.plan.sections import Candidate
 from planner.plan.text import first_line
 from planner.search import baselines
 from planner.search.configurations import (
@@ -50,12 +50,13 @@ from planner.search.configurations import (
     configurations,
     local_cpu,
 )
-from planner.search.messages import fewer_processes, nothing_fits, plan_warnings
+from planner.search.messages import best_note, fewer_processes, nothing_fits, plan_warnings
 from planner.search.partition import closed_form_pays, partition_problem, step_problem
 from planner.search.ranking import candidate, ranked
 from planner.search.robust import (
     Sturdiness,
     choose,
+    outranked,
     pruned_against,
     record,
     row_reason,
@@ -133,19 +134,19 @@ def search(
     configs = configurations(cluster, training, options, n_blocks, allowed_starts)
     tried: list[tuple[Config, Candidate]] = []
     solved: list[SearchResult] = []
-    best_ms = math.inf
-    grow = 1 + options.robust_band_pct / 100
+    best_ms, grow = math.inf, 1 + options.robust_band_pct / 100
     oom_costs: list[CostModel] = []  # for the message when nothing fits
     laid = bounded(profile_for, cluster, training, configs, threads_for, options.dp_modes)
     laid = _scouted_first(laid, training, allowed_starts)
+    # No step is below ``floor``; ``figures``: the solved ones', for ``outranked``.
+    floor, figures = min((cfg.bound for cfg in laid), default=math.inf), list[Sturdiness]()
     phase = f"searching {len(laid)} configurations"
     for k, cfg in enumerate(laid):
         if progress is not None:
-            progress(phase, k, len(laid), _best_note(solved))
+            progress(phase, k, len(laid), best_note(figures))
         top, against = best_ms * grow, pruned_against(best_ms, options)  # the band: solved
-        if cfg.bound >= top:
-            why = f"lower bound {cfg.bound:.1f} ms ≥ {against}"
-            tried.append((cfg, candidate(cfg, None, "pruned", why)))
+        if lost := _unsolved(cfg, top, against, figures, floor, options):
+            tried.append((cfg, candidate(cfg, None, "pruned", lost)))
             continue
         cost = _cost_model(cfg, training)
         layout = cost.layout
@@ -169,6 +170,7 @@ def search(
         pred = cost.predict(sol.starts)
         tried.append((cfg, candidate(cfg, pred.step_ms, "solved", "")))
         solved.append(SearchResult(layout=layout, solution=sol, prediction=pred, cost=cost))
+        figures.append(_sturdy(solved[-1]))
         best_ms = min(best_ms, pred.step_ms)
     if not solved:
         records = [c for _, c in tried]
@@ -176,7 +178,7 @@ def search(
     single = local_cpu(cluster)  # [Note: fewer CPU processes]: say why it beat one process
     best = _chosen(solved, options, allowed_starts, tried, single)
     if progress is not None:
-        progress(phase, len(laid), len(laid), _best_note([best]))
+        progress(phase, len(laid), len(laid), best_note([_sturdy(best)]))
     best.warnings = plan_warnings(best.layout, best.solution, best.prediction, options)
     best.warnings += fewer_processes(best.cost.cluster, cluster)
     return best
@@ -218,6 +220,21 @@ def _chosen(
 
 def _sturdy(r: SearchResult) -> Sturdiness:
     return sturdiness(r.layout, r.prediction)
+
+
+def _unsolved(
+    cfg: Config,
+    top: float,
+    against: str,
+    figures: Sequence[Sturdiness],
+    floor: float,
+    options: SearchOptions,
+) -> str | None:
+    """Why ``cfg`` is pruned unsolved: its bound is above the band of the best (``top``), or
+    it can be neither the fastest nor the one kept (``outranked``); None: it is solved."""
+    if cfg.bound >= top:
+        return f"lower bound {cfg.bound:.1f} ms ≥ {against}"
+    return outranked((cfg.pp, cfg.virtual, cfg.dp_mode), cfg.bound, figures, floor, options)
 
 
 def _scouted_first(
@@ -266,20 +283,6 @@ def _ranks(cfg: Config) -> tuple[tuple[int, ...], ...]:
     """Per stage, its ranks (one per replica): its pipeline rank's (``cfg.grid`` is per
     pipeline rank; with v stages per rank, stage i runs where the schedule places it)."""
     return tuple(cfg.grid[k] for k in stage_ranks(cfg.schedule, cfg.pp, cfg.virtual))
-
-
-def _best_note(solved: list[SearchResult]) -> str:
-    """ "best pp 2 × dp 4, m 8, 1f1b: 12.3 ms" (the fastest of ``solved``), "" if none."""
-    if not solved:
-        return ""
-    r = min(solved, key=lambda r: r.prediction.step_ms)
-    lay = r.layout
-    v = f" v {lay.virtual}" if lay.virtual > 1 else ""
-    v += dp_mode_suffix(lay.dp_mode)
-    return (
-        f"best pp {lay.pp} × dp {lay.dp}, m {lay.micro_batches}, {lay.schedule}{v}: "
-        f"{r.prediction.step_ms:.1f} ms"
-    )
 
 
 def _proven(

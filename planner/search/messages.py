@@ -10,10 +10,11 @@ from planner.cost.model import CostModel, Prediction
 from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
 from planner.plan.sections import Candidate, dp_mode_suffix
+from planner.search.robust import Sturdiness
 from planner.solve.problem import format_bytes
 from planner.solve.step_problem import StepSolution
 
-__all__ = ["fewer_processes", "nothing_fits", "nothing_possible", "plan_warnings"]
+__all__ = ["best_note", "fewer_processes", "nothing_fits", "nothing_possible", "plan_warnings"]
 
 
 def plan_warnings(
@@ -58,6 +59,15 @@ def plan_warnings(
                 f"{st.capacity / 2**30:.2f} GiB usable: little room for fragmentation"
             )
     return out
+
+
+def best_note(solved: Sequence[Sturdiness]) -> str:
+    """ "best pp 2 × dp 4, m 8, 1f1b: 12.3 ms": the fastest of ``solved``, for the search's
+    progress; "" if none."""
+    if not solved:
+        return ""
+    f = min(solved, key=lambda f: f.step_ms)
+    return f"best {f.name()}: {f.step_ms:.1f} ms"
 
 
 def fewer_processes(used: Cluster, given: Cluster) -> list[str]:

@@ -20,8 +20,15 @@ T ≤ T* · (1 + β) is a rival, and the sturdiest rival is kept, by:
 
 A configuration stands for its fastest layout on the ranks (and thread
 count). The search bounds and solves every configuration that could fall
-within the band (its ceiling is T* · (1 + β), not T*), so the rivals are all
-there. Pins are kept: every rival has the pinned pp, dp, m and schedule, and
+within the band (its ceiling is T* · (1 + β), not T*) and could be chosen:
+one that is neither faster than the fastest solved (its lower bound is above
+T*) nor sturdier, on what is known before solving (pp, then v, then the dp
+mode), than a solved rival that stays within the band of any fastest to come
+(its step ≤ F · (1 + β), F the least lower bound of all configurations: no
+step is below it) can be neither the fastest nor the one kept, and is pruned
+unsolved (:func:`outranked`). On 10,000 single-device nodes, where the
+all-reduce makes 47 configurations lie within 1.1 % of each other, that
+solves 4 instead of 47. Pins are kept: every rival has the pinned pp, dp, m and schedule, and
 with all four pinned there is nothing to choose. β = 0 keeps the fastest.
 
 Claims stay exact: a configuration kept over a faster one is never called
@@ -51,6 +58,7 @@ __all__ = [
     "Verdict",
     "choose",
     "explain",
+    "outranked",
     "proof_text",
     "pruned_against",
     "record",
@@ -178,9 +186,7 @@ def choose(found: Sequence[Sturdiness], options: SearchOptions) -> Verdict:
     assert kept, "no candidate keeps the pins"
     fastest = min(kept, key=lambda k: (found[k].step_ms, found[k].key()))
     band = options.robust_band_pct
-    pinned = all(getattr(options, p) is not None for p in PINS[:4]) and (
-        options.virtual is not None or options.schedule in SCHEDULES  # v 1 by the schedule
-    )
+    pinned = _all_pinned(options)
     if pinned:
         return Verdict(fastest, fastest, 0, band, pinned=True)
     ceiling = found[fastest].step_ms * (1 + band / 100)
@@ -193,6 +199,61 @@ def choose(found: Sequence[Sturdiness], options: SearchOptions) -> Verdict:
                 best[f.config] = k
     chosen = min(best.values(), key=lambda k: found[k].key())
     return Verdict(chosen, fastest, len(best) - 1, band)
+
+
+def outranked(
+    config: tuple[int, int, str],
+    bound_ms: float,
+    solved: Sequence[Sturdiness],
+    floor_ms: float,
+    options: SearchOptions,
+) -> str | None:
+    """Why a configuration not yet solved cannot be the fastest nor the one kept, whatever
+    its step ([Note: robust band]); None when it might be.
+
+    ``config``: its pp, v and dp mode (what is known of its sturdiness unsolved);
+    ``bound_ms``: a lower bound on its step; ``solved``: the configurations solved so far;
+    ``floor_ms``: a lower bound on every configuration's step (the least of their bounds),
+    so the fastest to come is no faster.
+    """
+    if not solved or _all_pinned(options):
+        return None
+    fastest = min(f.step_ms for f in solved)
+    if not bound_ms > fastest:  # it may be the fastest
+        return None
+    ceiling = min(fastest, floor_ms) * (1 + options.robust_band_pct / 100)
+    pp, v, mode = config
+    prior = (pp, v, _DP_STURDINESS.index(mode))
+    rivals = [f for f in solved if f.step_ms <= ceiling and _prior(f) < prior]
+    if not rivals:
+        return None
+    r = min(rivals, key=lambda f: (f.key(), f.step_ms))
+    return (
+        f"cannot be chosen: lower bound {bound_ms:.1f} ms > the fastest {fastest:.1f} ms, "
+        f"and {r.name()} ({r.step_ms:.1f} ms; {_sturdier(r, pp, v, mode)}) stays within "
+        f"the ±{options.robust_band_pct:g} % band of any fastest (none below {floor_ms:.1f} ms)"
+    )
+
+
+def _prior(f: Sturdiness) -> tuple[int, int, int]:
+    """The part of :meth:`Sturdiness.key` known before solving."""
+    return (f.pp, f.virtual, _DP_STURDINESS.index(f.dp_mode))
+
+
+def _sturdier(r: Sturdiness, pp: int, virtual: int, dp_mode: str) -> str:
+    """ "1 stage instead of 4", "DDP instead of ZeRO-1": how ``r`` is sturdier than a
+    configuration of ``pp``, ``virtual``, ``dp_mode``."""
+    if (r.pp, r.virtual) != (pp, virtual):
+        c = Sturdiness(pp=pp, dp=1, micro_batches=1, schedule="", step_ms=0.0, virtual=virtual)
+        return _depths(r, c)
+    return f"{DP_MODE_NAMES[r.dp_mode]} instead of {DP_MODE_NAMES[dp_mode]}"
+
+
+def _all_pinned(options: SearchOptions) -> bool:
+    """pp, dp, m and the schedule pinned, and v by a pin or the schedule: nothing to choose."""
+    return all(getattr(options, p) is not None for p in PINS[:4]) and (
+        options.virtual is not None or options.schedule in SCHEDULES  # v 1 by the schedule
+    )
 
 
 def _keeps_pins(f: Sturdiness, options: SearchOptions) -> bool:
@@ -241,8 +302,8 @@ def _why_fastest(v: Verdict) -> str:
         )
     many = f"{v.rivals} other configurations" if v.rivals > 1 else "1 other configuration"
     return (
-        f"the fastest predicted step, and the sturdiest of it and the {many} within its "
-        f"±{v.band_pct:g} % band (the cost model's error)"
+        f"the fastest predicted step, and the sturdiest of it and the {many} solved within "
+        f"its ±{v.band_pct:g} % band (the cost model's error)"
     )
 
 

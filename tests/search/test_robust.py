@@ -6,9 +6,10 @@ import pytest
 from models import chain_profiles
 
 from planner.devices import from_gpus
+from planner.devices.cluster_file import parse_cluster
 from planner.options import SearchOptions, Training
-from planner.search import search
-from planner.search.robust import Sturdiness, choose, explain, record
+from planner.search import SearchResult, search
+from planner.search.robust import Sturdiness, choose, explain, outranked, record
 from planner.solve.step_problem import StepSolution
 
 
@@ -167,3 +168,41 @@ def test_the_search_keeps_the_sturdier_plan_and_says_what_it_gave_up() -> None:
     # Every configuration within the band was solved, not pruned against the fastest alone.
     solved = {(c.pp, c.dp, c.micro_batches, c.schedule) for c in sturdy.candidates if c.step_ms}
     assert len(solved) > len({(c.pp, c.dp) for c in fastest.candidates if c.step_ms})
+
+
+def test_an_unsolved_configuration_that_cannot_be_chosen_is_outranked() -> None:
+    opts = SearchOptions()  # band 8 %
+    one = _s(1, 8, 100.0)
+    lost = outranked((4, 1, "ddp"), 101.0, [one], 99.0, opts)
+    assert lost is not None and "cannot be chosen: lower bound 101.0 ms > the fastest 100.0" in lost
+    assert "1 stage instead of 4" in lost and "none below 99.0 ms" in lost
+    assert outranked((4, 1, "ddp"), 100.0, [one], 99.0, opts) is None  # may be the fastest
+    assert outranked((1, 1, "zero1"), 101.0, [one], 99.0, opts) is not None  # DDP is sturdier
+    assert outranked((1, 1, "ddp"), 101.0, [one], 99.0, opts) is None  # as sturdy: its figures
+    # The rival must stay in the band of any fastest to come: 100 > 92 × 1.08.
+    assert outranked((4, 1, "ddp"), 101.0, [one], 92.0, opts) is None
+    pinned = SearchOptions(pp=4, dp=2, micro_batches=8, schedule="1f1b")
+    assert outranked((4, 1, "ddp"), 101.0, [one], 99.0, pinned) is None
+
+
+def test_the_search_prunes_what_cannot_be_chosen_and_chooses_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def many() -> SearchResult:  # 64 single-device nodes: the steps lie close together
+        return search(
+            chain_profiles(param_bytes=2**20, heavy_ends=False),
+            parse_cluster({"nodes": [{"type": "h100", "count": 1, "repeat": 64}]}),
+            Training(global_batch=512),
+            SearchOptions(keep=100),
+            n_blocks=12,
+        )
+
+    quick = many()
+    lost = [c for c in quick.candidates if "cannot be chosen" in c.reason]
+    assert lost and all(c.status == "pruned" and c.step_ms is None for c in lost)
+    monkeypatch.setattr("planner.search.loop.outranked", lambda *a, **k: None)
+    full = many()
+    assert (quick.layout, quick.prediction.step_ms) == (full.layout, full.prediction.step_ms)
+    assert quick.choice is not None and full.choice is not None
+    assert (quick.choice.fastest, quick.choice.band_pct) == (full.choice.fastest, 8.0)
+    assert "other configurations solved within its ±8 % band" in quick.choice.reason
