@@ -66,10 +66,25 @@ def _resolve(mod: nn.Module, target: str) -> Any:
 
 
 def prune_unused(module: nn.Module, used: set[str]) -> None:
-    """Remove the parameters and buffers ``module`` holds but never reads."""
-    for name, _ in list(_state(module)):
+    """Remove the parameters and buffers ``module`` holds but never reads, and let them go.
+
+    Removing the names is not enough: export's ``InterpreterModule`` keeps an
+    unregistered ``graph_module`` (see :func:`release_others`) holding the tensors
+    its module had when the graph module was made: the removed ones, and tensors
+    the split has since replaced (``pipeline()`` gives the stage a copy of a tied
+    weight; the graph module keeps the model's own). Every tensor of those
+    unregistered modules that the stage does not hold gets a storage-less (meta)
+    stand-in, as does a removed tensor kept as a plain attribute; the stage runs
+    its registered tensors only (an ``InterpreterModule`` runs its ``graph``).
+    Measured: GPT (vocabulary 8192, width 256, tied embedding) at pp 2, m 4: each
+    rank kept the model's own tied weight (8.0 MiB) beside its stage's copy, 93.4
+    and 71.4 MiB measured against the 85.4 and 63.4 MiB predicted.
+    """
+    gone: set[int] = set()
+    for name, t in list(_state(module)):
         if name in used:
             continue
+        gone.add(id(t))
         owner, _, leaf = name.rpartition(".")
         parent = module.get_submodule(owner) if owner else module
         if leaf in parent._parameters:
@@ -77,6 +92,16 @@ def prune_unused(module: nn.Module, used: set[str]) -> None:
         elif leaf in parent._buffers:
             del parent._buffers[leaf]
             parent._non_persistent_buffers_set.discard(leaf)
+    kept = {id(t) for _, t in _state(module)}  # a registered module's tensors are all here
+    for mod in _reachable([module]):
+        tables: tuple[dict[str, Any], ...] = (mod._parameters, mod._buffers)
+        for table in tables:
+            for key, held in table.items():
+                if held is not None and id(held) not in kept and not held.is_meta:
+                    table[key] = _stand_in(held)
+        for key, value in list(vars(mod).items()):
+            if isinstance(value, torch.Tensor) and id(value) in gone and not value.is_meta:
+                setattr(mod, key, _stand_in(value))
 
 
 def release_others(modules: Iterable[nn.Module], keep: nn.Module | Iterable[nn.Module]) -> int:

@@ -41,6 +41,34 @@ def test_pipeline_stage_keeps_only_what_it_reads() -> None:
     assert {"tok_emb.weight"} <= used_tensors(first) and "head.weight" in used_tensors(last)
 
 
+def test_a_stage_lets_go_of_the_tensors_it_does_not_read() -> None:
+    from runtime.split.pipeline import split_pipeline
+    from runtime.split.used import prune_unused, used_tensors
+
+    torch.manual_seed(0)
+    gpt = build("gpt")
+    x, _ = batch("gpt", 2, 0)
+    pipe, _ = split_pipeline(gpt, ["blocks.1"], ((x,), {}))
+    first, last = (pipe.get_stage_module(i) for i in range(2))
+    h = first(x)
+    h = h if isinstance(h, tuple) else (h,)
+    expected = last(*h)
+    for stage in (first, last):
+        prune_unused(stage, used_tensors(stage))
+        held = {id(t) for t in stage.state_dict(keep_vars=True).values()}
+        # export's InterpreterModule keeps an unregistered graph_module with the tensors it
+        # had: stage 0's unread head.weight, the last stage's head the model's own tied
+        # weight (its stage holds pipeline()'s copy). Kept, each stayed alive for the run.
+        for m in stage.modules():
+            for v in vars(m).values():
+                if isinstance(v, nn.Module):
+                    for name, t in v.state_dict(keep_vars=True).items():
+                        assert t.is_meta or id(t) in held, (type(v).__name__, name)
+    assert "head.weight" not in first.state_dict()
+    h = first(x)
+    torch.testing.assert_close(last(*(h if isinstance(h, tuple) else (h,))), expected)
+
+
 def test_a_rank_releases_the_other_stages_tensors_and_keeps_its_own() -> None:
     from runtime.split.pipeline import split_pipeline
     from runtime.split.used import release_others
