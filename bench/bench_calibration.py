@@ -1,6 +1,6 @@
 """Cost-model accuracy, uncalibrated and calibrated, through the product's own commands:
 python -m bench calibration [--quick] [--models a,b] [--launches N] [--keep DIR] [--merge]
-[--refit]
+[--refit [--memory-again]]
 
 For each model (the bundled examples, and models of the zoo from transformers,
 torchvision and timm: ``tests/zoo``) and each layout (pp, dp, m) of ``CONFIGS``
@@ -37,7 +37,9 @@ it (a rerun of some), the summary recomputed over all cases; ``--keep DIR``
 keeps the plans and measurement files, and ``--refit`` then fits and prices
 those kept launches again with the current fit, running nothing (the plans and
 the measured figures are the kept run's: only the calibrated column changes;
-the models not named keep their cases, as with ``--merge``).
+the models not named keep their cases, as with ``--merge``); ``--refit
+--memory-again`` runs each kept case's memory launch again first (after a
+runtime change that moves memory: the timed launches are the kept run's).
 """
 
 from __future__ import annotations
@@ -155,6 +157,21 @@ def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict
     }
 
 
+def _memory_again(case: dict[str, Any]) -> None:
+    """Run a kept case's memory launch again, on its kept plan, into its kept file."""
+    path, env, _ = MODELS[case["model"]]
+    plan_file = Path(case["plan"])
+    env = {**env, "PLANNER_CACHE_DIR": str(plan_file.parent / f"cache-{case['model']}")}
+    run = next(r for r in case["runs"] if r["memory"])
+    args = ["run", str(ROOT / path), "--plan", str(plan_file), "--steps", str(case["steps"])]
+    args += ["--measurements", run["file"]]
+    from planner.plan.measured import load_measurement
+
+    run["load"] = _load()
+    _checked(_planner(args, env, plan_file.parent), f"running {plan_file.name} (memory)")
+    run["step_ms"] = load_measurement(run["file"]).step_ms
+
+
 def _fits(done: dict[tuple[int, int, int], dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """A calibration per thread count of the cases' processes: fitted on ``FIT``'s first
     launches, or (threads ``FIT`` does not have) on the first case with those threads."""
@@ -255,7 +272,15 @@ def main(argv: list[str] | None = None) -> int:
         help="fit and price the results file's kept launches again, running nothing (a run "
         "made with --keep; after a change to the fit)",
     )
+    ap.add_argument(
+        "--memory-again",
+        action="store_true",
+        help="with --refit: run each kept case's memory launch again on its kept plan (after "
+        "a runtime change that moves memory), the timed launches kept",
+    )
     ns = ap.parse_args(argv)
+    if ns.memory_again and not ns.refit:
+        raise SystemExit("--memory-again reruns the memory launches of a kept run: add --refit")
     names = ns.models.split(",") if ns.models else (QUICK_MODELS if ns.quick else list(MODELS))
     started, load0 = time.perf_counter(), _load()
     cpu = cpu_figures()  # before the run: it is the machine the cases ran on
@@ -263,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, cases = [], []
     old = json.loads(OUT.read_text()) if (ns.refit or ns.merge) and OUT.exists() else None
     kept = _kept(old or {"cases": []}, names) if ns.refit else {}
+    for case in (c for by_layout in kept.values() for c in by_layout.values()):
+        if ns.memory_again:
+            _memory_again(case)
     with tempfile.TemporaryDirectory(prefix="bench-calibration-") as scratch:
         tmp = ns.keep or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)

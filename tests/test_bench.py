@@ -306,58 +306,6 @@ def test_the_published_schedule_gains_are_simulated_from_torchs_orders() -> None
     assert max(paper, key=lambda r: r["simulated_gain"])["schedule"] in ("zbv", "dualpipev")
 
 
-def test_calibration_refit_refuses_launches_that_were_not_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``--refit`` runs nothing: without the kept plan and launch files it says how to get
-    them, for a model whose files are gone and for one the results file lacks."""
-    from bench import bench_calibration as bc
-
-    out = tmp_path / "calibration.json"
-    gone = str(tmp_path / "gone.yaml")
-    cases = [
-        {"model": "mlp", "pp": p, "dp": d, "m": m, "plan": gone, "runs": [{"file": gone}]}
-        for p, d, m in bc.CONFIGS
-    ]
-    out.write_text(json.dumps({"cases": cases}))
-    monkeypatch.setattr(bc, "OUT", out)
-    for model in ("mlp", "gpt"):
-        with pytest.raises(SystemExit, match=f"(?s)no kept launches of {model}.*--keep DIR"):
-            bc.main(["--refit", "--models", model])
-
-
-def test_calibration_refit_of_one_model_keeps_the_others(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``--refit --models mlp`` prices mlp's kept launches again and writes the file with
-    the other models' cases as they were, and the kept run's command, load and time."""
-    from bench import bench_calibration as bc
-
-    kept = tmp_path / "kept"
-    kept.write_text("")
-
-    def case(model: str, c: tuple[int, int, int], err: float) -> dict[str, Any]:
-        return {"model": model, "pp": c[0], "dp": c[1], "m": c[2], "plan": str(kept),
-                "runs": [{"file": str(kept)}], "predicted_ms": 10.0, "calibrated_ms": 10.0,
-                "measured_ms": 10.0, "error": err, "calibrated_error": err,
-                "fitted_on": "2×1 m4", "memory_error": [0.0]}  # fmt: skip
-
-    cases = [case(m, c, 0.1) for m in ("mlp", "gpt") for c in bc.CONFIGS]
-    old = {"command": "python -m bench calibration --keep D", "load_before": 0.7, "wall_s": 99.0}
-    old["cases"] = cases
-    out = tmp_path / "calibration.json"
-    out.write_text(json.dumps(old))
-    monkeypatch.setattr(bc, "OUT", out)
-    monkeypatch.setattr(bc, "_fits", lambda done: {})
-    monkeypatch.setattr(bc, "_figures", lambda c, fits: {**c, "calibrated_error": 0.02})
-    assert bc.main(["--refit", "--models", "mlp"]) == 0
-    got = json.loads(out.read_text())
-    by = {(c["model"], c["calibrated_error"]) for c in got["cases"]}
-    assert by == {("mlp", 0.02), ("gpt", 0.1)} and len(got["cases"]) == 2 * len(bc.CONFIGS)
-    assert got["earlier_commands"] == [old["command"]]
-    assert (got["load_before"], got["wall_s"]) == (0.7, 99.0)
-
-
 def test_accuracy_assess_reads_a_plan_and_its_measurements() -> None:
     """``bench accuracy``'s last step, on a plan and measured figures of its shape (it had
     crashed on the stage memory record after the whole run)."""

@@ -1,0 +1,96 @@
+"""``python -m bench calibration``'s modes that run nothing or little: ``--refit`` and
+``--memory-again`` on a kept run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def test_calibration_refit_refuses_launches_that_were_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--refit`` runs nothing: without the kept plan and launch files it says how to get
+    them, for a model whose files are gone and for one the results file lacks."""
+    from bench import bench_calibration as bc
+
+    out = tmp_path / "calibration.json"
+    gone = str(tmp_path / "gone.yaml")
+    cases = [
+        {"model": "mlp", "pp": p, "dp": d, "m": m, "plan": gone, "runs": [{"file": gone}]}
+        for p, d, m in bc.CONFIGS
+    ]
+    out.write_text(json.dumps({"cases": cases}))
+    monkeypatch.setattr(bc, "OUT", out)
+    for model in ("mlp", "gpt"):
+        with pytest.raises(SystemExit, match=f"(?s)no kept launches of {model}.*--keep DIR"):
+            bc.main(["--refit", "--models", model])
+
+
+def test_calibration_refit_of_one_model_keeps_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--refit --models mlp`` prices mlp's kept launches again and writes the file with
+    the other models' cases as they were, and the kept run's command, load and time."""
+    from bench import bench_calibration as bc
+
+    kept = tmp_path / "kept"
+    kept.write_text("")
+
+    def case(model: str, c: tuple[int, int, int], err: float) -> dict[str, Any]:
+        return {"model": model, "pp": c[0], "dp": c[1], "m": c[2], "plan": str(kept),
+                "runs": [{"file": str(kept)}], "predicted_ms": 10.0, "calibrated_ms": 10.0,
+                "measured_ms": 10.0, "error": err, "calibrated_error": err,
+                "fitted_on": "2×1 m4", "memory_error": [0.0]}  # fmt: skip
+
+    cases = [case(m, c, 0.1) for m in ("mlp", "gpt") for c in bc.CONFIGS]
+    old = {"command": "python -m bench calibration --keep D", "load_before": 0.7, "wall_s": 99.0}
+    old["cases"] = cases
+    out = tmp_path / "calibration.json"
+    out.write_text(json.dumps(old))
+    monkeypatch.setattr(bc, "OUT", out)
+    monkeypatch.setattr(bc, "_fits", lambda done: {})
+    monkeypatch.setattr(bc, "_figures", lambda c, fits: {**c, "calibrated_error": 0.02})
+    assert bc.main(["--refit", "--models", "mlp"]) == 0
+    got = json.loads(out.read_text())
+    by = {(c["model"], c["calibrated_error"]) for c in got["cases"]}
+    assert by == {("mlp", 0.02), ("gpt", 0.1)} and len(got["cases"]) == 2 * len(bc.CONFIGS)
+    assert got["earlier_commands"] == [old["command"]]
+    assert (got["load_before"], got["wall_s"]) == (0.7, 99.0)
+
+
+def test_calibration_memory_again_reruns_each_kept_memory_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--refit --memory-again`` runs each kept case's memory launch again, on its kept
+    plan, into its kept file, the timed launches untouched; alone it is refused."""
+    from bench import bench_calibration as bc
+
+    with pytest.raises(SystemExit, match="add --refit"):
+        bc.main(["--memory-again", "--models", "mlp"])
+    plan = tmp_path / "mlp-2-1-4.yaml"
+    plan.write_text("")
+    timed, mem = str(tmp_path / "t.json"), str(tmp_path / "m.json")
+    case = {"model": "mlp", "pp": 2, "dp": 1, "m": 4, "plan": str(plan), "steps": 7,
+            "runs": [{"file": timed, "memory": False, "step_ms": 9.0, "load": 0.5},
+                     {"file": mem, "memory": True, "step_ms": 11.0, "load": 0.5}]}  # fmt: skip
+    ran: list[tuple[list[str], dict[str, str]]] = []
+
+    def planner(args: list[str], env: dict[str, str], cwd: Path) -> Any:
+        ran.append((args, env))
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(bc, "_planner", planner)
+    monkeypatch.setattr(
+        "planner.plan.measured.load_measurement", lambda f: type("M", (), {"step_ms": 12.5})
+    )
+    bc._memory_again(case)
+    ((args, env),) = ran
+    assert args[:4] == ["run", str(bc.ROOT / bc.MODELS["mlp"][0]), "--plan", str(plan)]
+    assert args[4:] == ["--steps", "7", "--measurements", mem]  # memory tracked: no --no-memory
+    assert env["PLANNER_CACHE_DIR"] == str(tmp_path / "cache-mlp")
+    assert [r["step_ms"] for r in case["runs"]] == [9.0, 12.5]
