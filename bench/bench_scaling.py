@@ -17,7 +17,9 @@
 
 ``--llama70b``: only Llama 70B (meta, 80 layers) on 1024 H100s end to end, a
 process per solver (profile_s, search_s, total_s, peak RSS, chosen); ``--point
-BLOCKS DEVICES``: only that search point; both merge into the results file by key.
+BLOCKS DEVICES``: only that search point; ``--nodes N``: only ``planner plan
+examples/gpt.py`` on N single-device H100 nodes, nothing pinned, a process per
+solver; each merges into the results file by key.
 ``--quick``: two sweeps (blocks at 16 devices, devices at 64 blocks), 10 s per
 solve, the end-to-end GPT once (no ``planner plan``). Writes bench/results/scaling.json.
 """
@@ -285,6 +287,52 @@ def cli_end_to_end(example: str = "gpt", gpus: int = 8) -> dict[str, Any]:
     return {"command": f"planner plan examples/{example}.py --gpus {gpus}", "wall_s": wall}
 
 
+def nodes_end_to_end(nodes: int, solver: str, limit_s: float) -> dict[str, Any]:
+    """``planner plan examples/gpt.py`` on ``nodes`` single-device H100 nodes (a cluster
+    file, ``--batch-size nodes``: one sample per device at dp = nodes), nothing pinned, in
+    a process of its own: wall time, peak RSS, the configurations and the plan."""
+    from planner.plan.files import load_plan
+
+    rss = (
+        "import resource, sys; from planner.cli import main; rc = main(sys.argv[1:]); "
+        "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+        "file=sys.stderr); sys.exit(rc)"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster, plan_file = Path(tmp) / "cluster.yaml", Path(tmp) / "plan.yaml"
+        cluster.write_text(f"nodes:\n  - {{type: h100, count: 1, repeat: {nodes}}}\n")
+        args = ["plan", str(ROOT / "examples" / "gpt.py"), "--cluster", str(cluster)]
+        args += ["--batch-size", str(nodes), "--solver", solver, "--time-limit", str(limit_s)]
+        env = dict(os.environ, PLANNER_CACHE_DIR=tmp)
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-c", rss, *args, "--out", str(plan_file)],
+            capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800,
+        )  # fmt: skip
+        wall = time.perf_counter() - t0
+        if proc.returncode:
+            raise RuntimeError(f"planner {' '.join(args)} failed:\n{proc.stderr[-2000:]}")
+        plan = load_plan(plan_file)
+    peak = next(ln for ln in proc.stderr.splitlines() if ln.startswith("peak_rss_kib"))
+    status: dict[str, int] = {}
+    for c in plan.candidates:
+        status[c.status] = status.get(c.status, 0) + 1
+    return {
+        "model": f"examples/gpt.py on {nodes} single-device h100 nodes",
+        "devices": nodes,
+        "solver": solver,
+        "command": f"planner plan examples/gpt.py --cluster <{nodes} × 1 h100> "
+        f"--batch-size {nodes} --solver {solver}",
+        "total_s": wall,
+        "peak_rss_mib": int(peak.split()[1]) / 1024,
+        "candidates_recorded": status,
+        "chosen": f"pp {plan.pp} × dp {plan.dp}, m {plan.micro_batches}, {plan.schedule}",
+        "step_ms": plan.predicted.step_ms,
+        "solver_status": plan.solver.status,
+        "load_avg": os.getloadavg(),
+    }
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -325,12 +373,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama70b", action="store_true", help="only Llama 70B on 1024 H100s")
     ap.add_argument("--point", nargs=2, type=int, metavar=("BLOCKS", "DEVICES"),
                     help="only this synthetic search point")  # fmt: skip
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        metavar="N",
+        help="only examples/gpt.py on N single-device H100 nodes, end to end",
+    )
     ap.add_argument("--timeout", type=float, default=1800.0, help="per --llama70b case, s")
     ap.add_argument("--out", default=str(OUT))
     ns = ap.parse_args(argv)
     limit = ns.limit or (10.0 if ns.quick else 60.0)
     t_start = time.perf_counter()
-    if ns.llama70b or ns.point:
+    if ns.llama70b or ns.point or ns.nodes:
         return _one_case(ns, limit, t_start)
     rows = []
     for n, d in grid(ns.quick):
@@ -385,7 +439,7 @@ def _say(r: dict[str, Any]) -> None:
 
 
 def _one_case(ns: argparse.Namespace, limit: float, t_start: float) -> int:
-    """--llama70b or --point: run it, merge its records into the results file."""
+    """--llama70b, --point or --nodes: run it, merge its records into the results file."""
     rows, e2e = [], []
     for solver in ns.solvers:
         if ns.point:
@@ -394,6 +448,9 @@ def _one_case(ns: argparse.Namespace, limit: float, t_start: float) -> int:
             _say(rows[-1])
         if ns.llama70b:
             e2e.append(llama_end_to_end(solver, limit, ns.timeout))
+            print(f"end to end: {e2e[-1]}", flush=True)
+        if ns.nodes:
+            e2e.append(nodes_end_to_end(ns.nodes, solver, limit))
             print(f"end to end: {e2e[-1]}", flush=True)
     path = Path(ns.out)
     old = json.loads(path.read_text()) if path.exists() else {}

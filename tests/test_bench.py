@@ -337,3 +337,13 @@ def test_accuracy_assess_reads_a_plan_and_its_measurements() -> None:
     # The results file's figures keep 6 significant digits (planner.plan.fields.FIGURE).
     total = plan.stages[1].memory.total
     assert stage["memory_breakdown_predicted"]["total"] == pytest.approx(total, rel=1e-5)
+
+
+def test_scaling_plans_the_gpt_example_on_single_device_nodes() -> None:
+    """``bench_scaling --nodes N``'s case, end to end on 40 nodes: a plan, timed, with its
+    peak memory and the configurations it recorded."""
+    rec = bench_scaling.nodes_end_to_end(40, "highs", 10.0)
+    assert rec["devices"] == 40 and rec["solver"] == "highs"
+    assert 0 < rec["total_s"] < 300 and 50 < rec["peak_rss_mib"] < 4096
+    assert rec["chosen"].startswith("pp ") and rec["step_ms"] > 0
+    assert rec["candidates_recorded"]["chosen"] == 1
