@@ -41,9 +41,10 @@ def test_pipeline_stage_keeps_only_what_it_reads() -> None:
     assert {"tok_emb.weight"} <= used_tensors(first) and "head.weight" in used_tensors(last)
 
 
-def test_a_stage_lets_go_of_the_tensors_it_does_not_read() -> None:
+def _gpt_in_two() -> tuple[nn.Module, Any, nn.Module, nn.Module, tuple[Any, ...], Any]:
+    """The GPT example split by pipeline() at blocks.1: (model, pipe, first, last, the first
+    stage's output, the last stage's)."""
     from runtime.split.pipeline import split_pipeline
-    from runtime.split.used import prune_unused, used_tensors
 
     torch.manual_seed(0)
     gpt = build("gpt")
@@ -52,46 +53,48 @@ def test_a_stage_lets_go_of_the_tensors_it_does_not_read() -> None:
     first, last = (pipe.get_stage_module(i) for i in range(2))
     h = first(x)
     h = h if isinstance(h, tuple) else (h,)
-    expected = last(*h)
+    return gpt, pipe, first, last, h, last(*h)
+
+
+def _unregistered(stage: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    """(module type, name, tensor) of what modules kept as plain attributes hold (export's
+    InterpreterModule keeps an unregistered graph_module)."""
+    return [
+        (type(v).__name__, name, t)
+        for m in stage.modules()
+        for v in vars(m).values()
+        if isinstance(v, nn.Module)
+        for name, t in v.state_dict(keep_vars=True).items()
+    ]
+
+
+def test_a_stage_lets_go_of_the_tensors_it_does_not_read() -> None:
+    from runtime.split.used import prune_unused, used_tensors
+
+    _, _, first, last, h, expected = _gpt_in_two()
     for stage in (first, last):
         prune_unused(stage, used_tensors(stage))
         held = {id(t) for t in stage.state_dict(keep_vars=True).values()}
-        # export's InterpreterModule keeps an unregistered graph_module with the tensors it
-        # had: stage 0's unread head.weight, the last stage's head the model's own tied
-        # weight (its stage holds pipeline()'s copy). Kept, each stayed alive for the run.
-        for m in stage.modules():
-            for v in vars(m).values():
-                if isinstance(v, nn.Module):
-                    for name, t in v.state_dict(keep_vars=True).items():
-                        assert t.is_meta or id(t) in held, (type(v).__name__, name)
+        # The graph_modules keep the tensors their modules had: stage 0's unread head.weight,
+        # the last stage's head the model's own tied weight (its stage holds pipeline()'s
+        # copy). Kept, each stayed alive for the whole run.
+        for kind, name, t in _unregistered(stage):
+            assert t.is_meta or id(t) in held, (kind, name)
     assert "head.weight" not in first.state_dict()
-    h = first(x)
-    torch.testing.assert_close(last(*(h if isinstance(h, tuple) else (h,))), expected)
+    torch.testing.assert_close(last(*h), expected)
 
 
 def test_a_rank_releases_the_other_stages_tensors_and_keeps_its_own() -> None:
-    from runtime.split.pipeline import split_pipeline
     from runtime.split.used import release_others
 
-    torch.manual_seed(0)
-    gpt = build("gpt")
-    x, _ = batch("gpt", 2, 0)
-    pipe, _ = split_pipeline(gpt, ["blocks.1"], ((x,), {}))
-    first, last = (pipe.get_stage_module(i) for i in range(2))
-    h = first(x)
-    h = h if isinstance(h, tuple) else (h,)
-    expected = last(*h)
+    gpt, pipe, first, last, h, expected = _gpt_in_two()
     own = {n: p.data_ptr() for n, p in last.named_parameters()}
     others = sum(t.numel() * t.element_size() for t in first.state_dict().values())
-    # export's InterpreterModule holds the same tensors again in an unregistered graph_module
-    assert any(type(v).__name__ == "GraphModule" for m in first.modules() for v in vars(m).values())
+    assert any(kind == "GraphModule" for kind, _, _ in _unregistered(first))
     released = release_others([pipe.split_gm], keep=last)
     assert released >= others * 0.99
     assert all(t.is_meta for t in first.state_dict().values())
-    for m in first.modules():
-        for v in vars(m).values():
-            if isinstance(v, nn.Module):
-                assert all(t.is_meta for t in v.state_dict().values()), type(v).__name__
+    assert all(t.is_meta for _, _, t in _unregistered(first))
     assert {n: p.data_ptr() for n, p in last.named_parameters()} == own  # the same tensors
     assert not any(t.is_meta for t in gpt.state_dict().values())  # the model's own modules: kept
     torch.testing.assert_close(last(*h), expected)
