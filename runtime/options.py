@@ -75,6 +75,12 @@ class RunOptions:
         "2 steps after warm-up, tracking every tensor, which slows them; they are not timed)",
         flag="--no-memory",
     )
+    pin_cores: bool = option(
+        True,
+        help="leave the CPU workers to the OS scheduler (by default each keeps to cores of "
+        "its own when the machine has enough: [Note: a core of its own] in runtime/launch.py)",
+        flag="--no-pin-cores",
+    )
     measurements: str | None = option(
         None,
         help="write every rank's timed actions and peak memory here (JSON), for "

@@ -65,7 +65,7 @@ from runtime.checkpoint import latest_complete, load, save, seed_step
 from runtime.data import Feed, replica_of
 from runtime.engine import ParallelModel
 from runtime.failure import Where, fail, finish
-from runtime.launch import cpu_threads
+from runtime.launch import cpu_threads, pin_cores
 from runtime.lifecycle import model_exit, worker_start
 from runtime.materialize import meta_parameters
 from runtime.measure import Recorder, comparison_table, resident_bytes, write_trace
@@ -155,6 +155,10 @@ def _build(plan: Plan, mf: ModelFile, opts: RunOptions) -> tuple[ParallelModel, 
     check_training(plan)  # a precision or optimizer this runtime does not run: refused first
     threads = cpu_threads(plan, int(os.environ.get("RANK", "0")))
     if threads and not torch.cuda.is_available():
+        if opts.pin_cores:  # [Note: a core of its own] in runtime.launch
+            env = {k: int(os.environ.get(k, "1")) for k in ("LOCAL_WORLD_SIZE", "WORLD_SIZE")}
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            pin_cores(threads, local, env["LOCAL_WORLD_SIZE"], env["WORLD_SIZE"])
         torch.set_num_threads(threads)  # as the plan measured this device
     torch.manual_seed(opts.seed)  # the same initial weights on every rank
     # What the job is doing until it trains, one line per phase ([Note: launch progress]).
