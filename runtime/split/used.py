@@ -80,11 +80,11 @@ def prune_unused(module: nn.Module, used: set[str]) -> None:
     rank kept the model's own tied weight (8.0 MiB) beside its stage's copy, 93.4
     and 71.4 MiB measured against the 85.4 and 63.4 MiB predicted.
     """
-    gone: set[int] = set()
+    gone: dict[int, torch.Tensor] = {}  # held here, so no other object takes their ids
     for name, t in list(_state(module)):
         if name in used:
             continue
-        gone.add(id(t))
+        gone[id(t)] = t
         owner, _, leaf = name.rpartition(".")
         parent = module.get_submodule(owner) if owner else module
         if leaf in parent._parameters:
