@@ -124,8 +124,8 @@ def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict
     from planner.plan.files import load_plan
     from planner.plan.measured import load_measurement
 
-    path, env, batch = MODELS[name]
-    env = {**env, "PLANNER_CACHE_DIR": str(tmp / f"cache-{name}")}
+    path, _, batch = MODELS[name]
+    env = _env(name, tmp)
     plan_file = tmp / f"{name}-{pp}-{dp}-{m}.yaml"
     t0 = time.perf_counter()
     cmd = ["plan", str(ROOT / path), "--gpus", str(pp * dp), "--pp", str(pp), "--dp", str(dp)]
@@ -138,10 +138,11 @@ def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict
     for k in range(launches + 1):
         memory = k == launches
         meas = tmp / f"{plan_file.stem}-{k}.json"
-        args = ["run", str(ROOT / path), "--plan", str(plan_file), "--steps", str(steps)]
-        args += ["--measurements", str(meas)] + ([] if memory else ["--no-memory"])
         load = _load()
-        _checked(_planner(args, env, tmp), f"running {plan_file.name}")
+        _checked(
+            _planner(_run(name, plan_file, steps, meas, memory), env, tmp),
+            f"running {plan_file.name}",
+        )
         result = load_measurement(meas)
         runs.append({"file": str(meas), "load": load, "memory": memory, "step_ms": result.step_ms})
     return {
@@ -159,17 +160,26 @@ def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict
 
 def _memory_again(case: dict[str, Any]) -> None:
     """Run a kept case's memory launch again, on its kept plan, into its kept file."""
-    path, env, _ = MODELS[case["model"]]
-    plan_file = Path(case["plan"])
-    env = {**env, "PLANNER_CACHE_DIR": str(plan_file.parent / f"cache-{case['model']}")}
-    run = next(r for r in case["runs"] if r["memory"])
-    args = ["run", str(ROOT / path), "--plan", str(plan_file), "--steps", str(case["steps"])]
-    args += ["--measurements", run["file"]]
     from planner.plan.measured import load_measurement
 
+    plan_file = Path(case["plan"])
+    run = next(r for r in case["runs"] if r["memory"])
+    args = _run(case["model"], plan_file, case["steps"], Path(run["file"]), memory=True)
     run["load"] = _load()
-    _checked(_planner(args, env, plan_file.parent), f"running {plan_file.name} (memory)")
+    proc = _planner(args, _env(case["model"], plan_file.parent), plan_file.parent)
+    _checked(proc, f"running {plan_file.name} (memory)")
     run["step_ms"] = load_measurement(run["file"]).step_ms
+
+
+def _env(name: str, folder: Path) -> dict[str, str]:
+    """The model's environment, with its own profile cache in ``folder``."""
+    return {**MODELS[name][1], "PLANNER_CACHE_DIR": str(folder / f"cache-{name}")}
+
+
+def _run(name: str, plan_file: Path, steps: int, meas: Path, memory: bool) -> list[str]:
+    """``planner run``'s arguments for one launch of a case (memory tracked or not)."""
+    args = ["run", str(ROOT / MODELS[name][0]), "--plan", str(plan_file), "--steps", str(steps)]
+    return args + ["--measurements", str(meas)] + ([] if memory else ["--no-memory"])
 
 
 def _fits(done: dict[tuple[int, int, int], dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -288,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, cases = [], []
     old = json.loads(OUT.read_text()) if (ns.refit or ns.merge) and OUT.exists() else None
     kept = _kept(old or {"cases": []}, names) if ns.refit else {}
-    for case in (c for by_layout in kept.values() for c in by_layout.values()):
-        if ns.memory_again:
+    if ns.memory_again:
+        for case in (c for by_layout in kept.values() for c in by_layout.values()):
             _memory_again(case)
     with tempfile.TemporaryDirectory(prefix="bench-calibration-") as scratch:
         tmp = ns.keep or scratch

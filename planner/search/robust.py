@@ -28,8 +28,8 @@ mode), than a solved rival that stays within the band of any fastest to come
 step is below it) can be neither the fastest nor the one kept, and is pruned
 unsolved (:func:`outranked`). On 10,000 single-device nodes, where the
 all-reduce makes 47 configurations lie within 1.1 % of each other, that
-solves 4 instead of 47. Pins are kept: every rival has the pinned pp, dp, m and schedule, and
-with all four pinned there is nothing to choose. β = 0 keeps the fastest.
+solves 4 instead of 47. Pins are kept: every rival has the pinned pp, dp, m
+and schedule, and with all four pinned there is nothing to choose. β = 0 keeps the fastest.
 
 Claims stay exact: a configuration kept over a faster one is never called
 optimal; the plan's ``choice`` section names the fastest, its step and what
@@ -113,9 +113,7 @@ class Sturdiness:
         before ZeRO-1 before FSDP (``_DP_STURDINESS``), less overhead, more headroom,
         faster."""
         return (
-            self.pp,
-            self.virtual,
-            _DP_STURDINESS.index(self.dp_mode),
+            *_prior(self.pp, self.virtual, self.dp_mode),
             round(self.overhead, 2),
             -round(self.headroom, 2),
             self.step_ms,
@@ -223,8 +221,11 @@ def outranked(
         return None
     ceiling = min(fastest, floor_ms) * (1 + options.robust_band_pct / 100)
     pp, v, mode = config
-    prior = (pp, v, _DP_STURDINESS.index(mode))
-    rivals = [f for f in solved if f.step_ms <= ceiling and _prior(f) < prior]
+    rivals = [
+        f
+        for f in solved
+        if f.step_ms <= ceiling and _prior(f.pp, f.virtual, f.dp_mode) < _prior(pp, v, mode)
+    ]
     if not rivals:
         return None
     r = min(rivals, key=lambda f: (f.key(), f.step_ms))
@@ -235,9 +236,9 @@ def outranked(
     )
 
 
-def _prior(f: Sturdiness) -> tuple[int, int, int]:
-    """The part of :meth:`Sturdiness.key` known before solving."""
-    return (f.pp, f.virtual, _DP_STURDINESS.index(f.dp_mode))
+def _prior(pp: int, virtual: int, dp_mode: str) -> tuple[int, int, int]:
+    """The part of :meth:`Sturdiness.key` known before solving: its first items."""
+    return (pp, virtual, _DP_STURDINESS.index(dp_mode))
 
 
 def _sturdier(r: Sturdiness, pp: int, virtual: int, dp_mode: str) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -94,14 +94,7 @@ def prune_unused(module: nn.Module, used: set[str]) -> None:
             parent._non_persistent_buffers_set.discard(leaf)
     kept = {id(t) for _, t in _state(module)}  # a registered module's tensors are all here
     for mod in _reachable([module]):
-        tables: tuple[dict[str, Any], ...] = (mod._parameters, mod._buffers)
-        for table in tables:
-            for key, held in table.items():
-                if held is not None and id(held) not in kept and not held.is_meta:
-                    table[key] = _stand_in(held)
-        for key, value in list(vars(mod).items()):
-            if isinstance(value, torch.Tensor) and id(value) in gone and not value.is_meta:
-                setattr(mod, key, _stand_in(value))
+        _stand_ins(mod, tables=lambda t: id(t) not in kept, attributes=lambda t: id(t) in gone)
 
 
 def release_others(modules: Iterable[nn.Module], keep: nn.Module | Iterable[nn.Module]) -> int:
@@ -119,20 +112,37 @@ def release_others(modules: Iterable[nn.Module], keep: nn.Module | Iterable[nn.M
     predicted peak. Returns the bytes released.
     """
     kept = {id(m) for m in _reachable([keep] if isinstance(keep, nn.Module) else keep)}
+    return sum(
+        _stand_ins(mod, tables=_every, attributes=_every)
+        for mod in _reachable(modules)
+        if id(mod) not in kept
+    )
+
+
+def _every(t: torch.Tensor) -> bool:
+    return True
+
+
+def _stand_ins(
+    mod: nn.Module,
+    *,
+    tables: Callable[[torch.Tensor], bool],
+    attributes: Callable[[torch.Tensor], bool],
+) -> int:
+    """Give ``mod``'s own tensors a storage-less stand-in: its parameters and buffers that
+    ``tables`` picks, and the tensors it keeps as plain attributes that ``attributes``
+    picks (meta ones are left). Returns the bytes released."""
     released = 0
-    for mod in _reachable(modules):
-        if id(mod) in kept:
-            continue
-        tables: tuple[dict[str, Any], ...] = (mod._parameters, mod._buffers)
-        for table in tables:
-            for name, t in table.items():
-                if t is not None and not t.is_meta:
-                    released += t.untyped_storage().nbytes()
-                    table[name] = _stand_in(t)
-        for name, value in list(vars(mod).items()):
-            if isinstance(value, torch.Tensor) and not value.is_meta:
-                released += value.untyped_storage().nbytes()
-                setattr(mod, name, _stand_in(value))
+    held: tuple[dict[str, Any], ...] = (mod._parameters, mod._buffers)
+    for table in held:
+        for name, t in table.items():
+            if t is not None and not t.is_meta and tables(t):
+                released += t.untyped_storage().nbytes()
+                table[name] = _stand_in(t)
+    for name, value in list(vars(mod).items()):
+        if isinstance(value, torch.Tensor) and not value.is_meta and attributes(value):
+            released += value.untyped_storage().nbytes()
+            setattr(mod, name, _stand_in(value))
     return released
 
 
