@@ -24,7 +24,8 @@ one), so the cases whose processes have another (one process with both cores:
 pp 1 × dp 1) get their own, fitted on their own first ``FIT_LAUNCHES``
 launches, as a user would calibrate the plan they run. Every case's plan is
 then priced again with its calibration (the same placement:
-``plan_cost_model(plan, calibration).step_ms``) and compared with the launches
+``plan_cost_model(plan, calibration).step_ms``, in the model's own profile cache,
+whose local-CPU figures its plans were priced with) and compared with the launches
 no fit saw (for a fitted case, launches 3…N). So the calibrated figures are
 held-out predictions: other layouts, or the same layout's other launches
 (``fitted_on`` says which).
@@ -52,6 +53,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +177,29 @@ def _memory_again(case: dict[str, Any]) -> None:
 def _env(name: str, folder: Path) -> dict[str, str]:
     """The model's environment, with its own profile cache in ``folder``."""
     return {**MODELS[name][1], "PLANNER_CACHE_DIR": str(folder / f"cache-{name}")}
+
+
+@contextmanager
+def _priced_as_planned(name: str, folder: Path) -> Iterator[None]:
+    """Fit and price ``name``'s plans in its own profile cache (``folder``'s), as its
+    planning did: a plan records the cluster, not the local CPU's measured figures
+    (memory bandwidth, time per op: they price the optimizer step, transfers and
+    per-op costs), which a process takes from its cache. This process's own cache
+    may hold figures measured hours before, in another state of a shared machine
+    (2.57 µs per op against 1.16 when the plans were made, 2026-12-07)."""
+    from planner.devices.local import forget_measurements
+
+    before = os.environ.get("PLANNER_CACHE_DIR")
+    os.environ["PLANNER_CACHE_DIR"] = _env(name, folder)["PLANNER_CACHE_DIR"]
+    forget_measurements()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PLANNER_CACHE_DIR"]
+        else:
+            os.environ["PLANNER_CACHE_DIR"] = before
+        forget_measurements()
 
 
 def _run(name: str, plan_file: Path, steps: int, meas: Path, memory: bool) -> list[str]:
@@ -306,9 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(tmp).mkdir(parents=True, exist_ok=True)
         for name in names:
             done = kept.get(name) or {c: _case(name, *c, ns.launches, Path(tmp)) for c in CONFIGS}
-            fits = _fits(done)
+            with _priced_as_planned(name, Path(done[FIT]["plan"]).parent):
+                fits = _fits(done)
+                got_all = {c: _figures(done[c], fits) for c in CONFIGS}
             for c in CONFIGS:
-                got = _figures(done[c], fits)
+                got = got_all[c]
                 cases.append(got)
                 rows.append(
                     [

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -94,3 +95,30 @@ def test_calibration_memory_again_reruns_each_kept_memory_launch(
     assert args[4:] == ["--steps", "7", "--measurements", mem]  # memory tracked: no --no-memory
     assert env["PLANNER_CACHE_DIR"] == str(tmp_path / "cache-mlp")
     assert [r["step_ms"] for r in case["runs"]] == [9.0, 12.5]
+
+
+def test_calibration_prices_in_the_models_own_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fit and the calibrated figures price a plan with the local-CPU figures its
+    planning used (the model's cache), not this process's own cache's; both are put
+    back after."""
+    from bench import bench_calibration as bc
+    from planner.devices.local import forget_measurements, local_cpu
+
+    own = tmp_path / "own"
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(own))
+    forget_measurements()
+    mine = local_cpu()
+    ((entry,),) = [list(own.glob("profile-*.json"))]
+    theirs = json.loads(entry.read_text())
+    theirs["memory_bandwidth"] = 3 * mine.memory_bandwidth
+    (tmp_path / "cache-mlp").mkdir()
+    (tmp_path / "cache-mlp" / entry.name).write_text(json.dumps(theirs))
+    try:
+        with bc._priced_as_planned("mlp", tmp_path):
+            assert local_cpu().memory_bandwidth == 3 * mine.memory_bandwidth
+        assert local_cpu().memory_bandwidth == mine.memory_bandwidth
+        assert os.environ["PLANNER_CACHE_DIR"] == str(own)
+    finally:
+        forget_measurements()
