@@ -119,7 +119,7 @@ def compute_scales(
 ) -> tuple[float, dict[str, tuple[float, float]], bool]:
     """(co-run slow-down, {type: (fwd scale, bwd scale)}, whether the slow-down was fitted);
     ``raw``: the plan's uncalibrated cost model, ``shares``: :func:`_shares`."""
-    default = corun_slowdown(raw.profile)
+    default = corun_slowdown(raw.profile, plan.dp)
     tried = {c: _scales_at(plan, actions, types, c) for c in sorted({*_CORUN_GRID, default})}
     c = min(tried, key=lambda k: (tried[k][0], k != default))
     alone, busy = shares

@@ -16,8 +16,10 @@ by the cost model from the profiles the plan carries, uncalibrated:
    on a grid the line is fitted; the c kept is the one whose fit is best
    (least squared log error), and is reported fitted only when the run has
    actions both mostly alone and mostly overlapped and the fit is clearly
-   better than at the default. DDP's all-reduce inside each stage's last
-   backward (dp > 1) is left out.
+   better than at the default; it prices layouts without replicas only, and a
+   run with replicas (dp > 1) does not fit it ([Note: whose co-run a
+   calibration fits] in ``planner.cost.stage_time``). DDP's all-reduce inside
+   each stage's last backward (dp > 1) is left out.
 2. **the optimizer step**: Σ over stages of the measured step ÷ Σ predicted.
 3. **the all-reduce** (dp > 1, m > 1): the last backward's excess over the
    other backwards, per stage, Σ measured ÷ Σ predicted ``reduce_ms``.

@@ -66,6 +66,18 @@ ACTION_OVERHEAD_MS = {"gloo": 0.7, "nccl": 0.05}
 # Applied while more than one process computes (see cpu_speeds).
 CPU_CORUN_SLOWDOWN = 1.15
 
+# [Note: whose co-run a calibration fits] A calibration fits the co-run slow-down
+# from a run's actions that overlap another rank's (planner.calibrate.compute), and
+# only a pipeline's actions are sometimes alone and sometimes not: so what it
+# measures is stages co-running, one stage's forward beside another's backward.
+# Replicas of a stage (dp > 1) run the same action at the same moment, their
+# memory-bound phases together: in the calibration benchmark's quiet run
+# (2026-12-07) the 2×1 m4 fits found 1.0 on 6 models of 8, while the same
+# models' 1×2 replicas ran their forwards 0.99–1.33 × their time alone, and the
+# 1×2 cases priced with the fitted 1.0 came out 6–28 % low. So a fitted co-run
+# prices layouts whose co-running processes are stages only (dp 1); a layout with
+# replicas keeps CPU_CORUN_SLOWDOWN (which was measured with all processes busy).
+
 # When local CPU processes outnumber the cores (pp × dp × threads > cores), a
 # process woken by a message often waits for a core first: about a scheduler time
 # slice. Fitted on the 2-core machine, pp 2 × dp 2 (4 processes): 2 ms per message
@@ -106,11 +118,14 @@ def cpu_speeds(
     return out
 
 
-def corun_slowdown(profile: ModelProfile) -> float:
-    """The co-run slow-down of local CPU processes: the profile's calibration's, else
-    ``CPU_CORUN_SLOWDOWN``."""
+def corun_slowdown(profile: ModelProfile, dp: int) -> float:
+    """The co-run slow-down of the local CPU processes of a layout of ``dp`` replicas:
+    the profile's calibration's when there is one and dp is 1, else
+    ``CPU_CORUN_SLOWDOWN`` ([Note: whose co-run a calibration fits])."""
     cal = profile.calibration
-    return CPU_CORUN_SLOWDOWN if cal is None or cal.corun_slowdown is None else cal.corun_slowdown
+    if dp > 1 or cal is None or cal.corun_slowdown is None:
+        return CPU_CORUN_SLOWDOWN
+    return cal.corun_slowdown
 
 
 class StageTime:
@@ -162,7 +177,7 @@ class StageTime:
             return [1.0] * pp
         processes, threads = self._cpu_processes()
         cores = self.b.cluster.cores_per_node
-        corun = corun_slowdown(self.b.profile)
+        corun = corun_slowdown(self.b.profile, self.b.layout.dp)
         return cpu_speeds(stages=pp, processes=processes, threads=threads, cores=cores, corun=corun)
 
     def _oversubscribed(self) -> bool:

@@ -163,8 +163,10 @@ class Calibration(Record):
         action_overhead_ms: the fixed cost of one pipeline action (None: the
             backend's ``ACTION_OVERHEAD_MS``), fitted last, so that the
             simulated step of the run's placement is its measured step.
-        corun_slowdown: local CPU processes computing at once run this much
-            slower than alone (None: ``CPU_CORUN_SLOWDOWN``).
+        corun_slowdown: local CPU pipeline stages computing at once run this
+            much slower than alone; it prices layouts of one replica (None, and
+            any layout with replicas: ``CPU_CORUN_SLOWDOWN``; [Note: whose co-run
+            a calibration fits] in ``planner.cost.stage_time``).
         optimizer_scale / allreduce_scale: measured ÷ predicted optimizer step
             and DDP gradient all-reduce.
         p2p_extra_ms: what a transfer between stages took beyond its predicted

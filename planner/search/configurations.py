@@ -347,7 +347,7 @@ def bounded(
             bound = work_bound(total, heaviest, pp, m, sched, v)
             used = full
             if cpu:
-                corun = corun_slowdown(prof_for(full.device_types[0], b))
+                corun = corun_slowdown(prof_for(full.device_types[0], b), dp)
                 cores = full.cores_per_node
                 bound = max(bound, shared_cores_bound(total, pp, dp, m, t, cores, corun))
                 used = _first(full, pp * dp)

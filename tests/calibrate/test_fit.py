@@ -264,3 +264,22 @@ def test_the_compute_scale_stays_within_its_range_when_times_ignore_the_profile(
     huge = [dataclasses.replace(a, ms=9.0 * a.profiled) for a in flat]
     _, scales, _ = compute_scales(cpu_plan, huge, ["cpu"], raw, (1.0, 0.0))
     assert scales["cpu"][0] == SCALE_RANGE[1]
+
+
+def test_a_fitted_corun_prices_stages_and_not_replicas(cpu_plan: Plan) -> None:
+    """[Note: whose co-run a calibration fits]: a pipeline's fitted co-run changes the
+    price of its own layout (dp 1) and not that of a layout with replicas, which keeps
+    the default; a run with replicas does not fit one."""
+    slow = {"cpu": Calibration(corun_slowdown=1.5)}
+    starts = [s.blocks[0] for s in cpu_plan.stages]
+    assert plan_cost_model(cpu_plan, slow).step_ms(starts) > plan_cost_model(
+        cpu_plan, {"cpu": Calibration()}
+    ).step_ms(starts)
+    dp_plan = tower_plan(cluster=cpu_cluster(4), pp=2, dp=2, micro_batches=4, schedule="gpipe")
+    dp_starts = [s.blocks[0] for s in dp_plan.stages]
+    assert plan_cost_model(dp_plan, slow).step_ms(dp_starts) == pytest.approx(
+        plan_cost_model(dp_plan, {"cpu": Calibration()}).step_ms(dp_starts)
+    )
+    truth = Calibration(fwd_scale=1.1, bwd_scale=1.1, corun_slowdown=1.5, action_overhead_ms=0.0)
+    got = fit(dp_plan, run_of(dp_plan, truth)).calibrations["cpu"]
+    assert "corun_slowdown" not in got.fitted and got.corun_slowdown is None
