@@ -280,11 +280,12 @@ class StageTime:
     def reduce_ms(self, s: int, i: int, j: int) -> float:
         """DDP's all-reduce of stage s's gradients across its replicas (tied copies
         included), in ms; it runs inside the stage's last backward. 0 with FSDP
-        (its reduce-scatter: :meth:`fsdp_ms`)."""
+        (its reduce-scatter: :meth:`fsdp_ms`), and for a stage that holds no
+        parameter (the runtime wraps no DDP around it: ``runtime.stage``)."""
         b = self.b
-        if b.layout.dp == 1 or b.fsdp:
-            return 0.0
         n_params = b.held_parameters(s, i, j)
+        if b.layout.dp == 1 or b.fsdp or n_params == 0:
+            return 0.0
         t = b.cluster.allreduce_time(b.layout.ranks[s], n_params * b.wire_b)
         t += 2 * (b.layout.dp - 1) * self.wakeup_s  # a ring's 2(n − 1) messages
         return t * 1e3 * self.comm_scale * self.calibration.allreduce_scale

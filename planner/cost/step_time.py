@@ -98,25 +98,31 @@ def allreduce_floor(
     ring_time: Callable[[Sequence[int], float], float],
     grid: Sequence[Sequence[int]],
     wire_bytes: float,
+    free: int = 0,
 ) -> float:
     """A lower bound (ms) on Σ_s of the stages' gradient all-reduces, however the
     blocks are placed: ``grid[s]`` the ranks of stage s, ``wire_bytes`` what all
     the model's gradients put on the wire, ``ring_time(ranks, nbytes)`` a ring
-    all-reduce's seconds (``Cluster.allreduce_time``).
+    all-reduce's seconds (``Cluster.allreduce_time``), ``free`` the model's blocks
+    that hold no parameter.
 
     A ring's time is affine in its bytes (t = α + β·S, α, β ≥ 0), and the stages'
     bytes add up to at least ``wire_bytes`` (tied copies only add), so
 
         Σ_s t_s ≥ Σ_s α_s + min_s β_s · wire_bytes = Σ_s α_s + min_s (t_s(wire_bytes) − α_s)
 
-    (0 when no stage has more than one replica).
+    over the stages that hold a parameter: a stage that holds none all-reduces
+    nothing (``StageTime.reduce_ms``), and at most ``free`` stages can (each
+    needs a block of its own), so the α of the ``free`` costliest are left out,
+    never all (0 when no stage has more than one replica, or no parameter).
     """
-    if not grid:
+    if not grid or wire_bytes <= 0:
         return 0.0
-    alphas = [ring_time(ranks, 0.0) for ranks in grid]
-    bytes_part = min(ring_time(r, wire_bytes) - a for r, a in zip(grid, alphas, strict=True))
+    alphas = sorted(ring_time(ranks, 0.0) for ranks in grid)
+    held = len(alphas) - min(free, len(alphas) - 1)  # stages that must hold a parameter
+    bytes_part = min(ring_time(r, wire_bytes) - ring_time(r, 0.0) for r in grid)
     # rounding of the sums aside (1e-9 relative: a bound, not a figure to print)
-    return (sum(alphas) + max(bytes_part, 0.0)) * 1e3 * (1 - 1e-9)
+    return (sum(alphas[:held]) + max(bytes_part, 0.0)) * 1e3 * (1 - 1e-9)
 
 
 def shared_cores_bound(

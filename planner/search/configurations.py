@@ -330,7 +330,7 @@ def bounded(
     """
     own = cluster.devices[0].threads
     variants: dict[int, tuple[Cluster, ProfileFor]] = {own: (cluster, profile_for)}
-    fastest: dict[tuple[int, int], tuple[float, float, float, float]] = {}
+    fastest: dict[tuple[int, int], tuple[float, float, float, float, int]] = {}
     cpu = local_cpu(cluster)
     out = []
     for pp, dp, m, sched, v in configs:
@@ -343,7 +343,7 @@ def bounded(
             full, prof_for = variants[t]
             if (t, b) not in fastest:
                 fastest[(t, b)] = _work(prof_for, full, b, training)
-            total, heaviest, last, wire = fastest[(t, b)]
+            total, heaviest, last, wire, free = fastest[(t, b)]
             bound = work_bound(total, heaviest, pp, m, sched, v)
             used = full
             if cpu:
@@ -357,7 +357,7 @@ def bounded(
                 # GPUs: every speed 1, graph = step; a split backward's all-reduce follows its
                 # last W, off the gradients' way back ([Note: bounds under a split backward])
                 if full.backend != "gloo" and dp > 1 and sched not in SPLIT_BACKWARD:
-                    reduces = allreduce_floor(used.allreduce_time, grid, wire)
+                    reduces = allreduce_floor(used.allreduce_time, grid, wire, free)
                     lb = max(lb, reduce_chain_bound(total, last, m, reduces))
                 for mode in dp_modes if dp > 1 else ("ddp",):
                     low = bound if mode == "fsdp" else lb
@@ -380,10 +380,12 @@ def _first(cluster: Cluster, n: int) -> Cluster:
 
 def _work(
     profile_for: ProfileFor, cluster: Cluster, b: int, training: Training
-) -> tuple[float, float, float, float]:
+) -> tuple[float, float, float, float, int]:
     """(Σ block work, heaviest block, last block with the loss) at micro-batch b on the
-    fastest device type, and the least gradient bytes an all-reduce of them all moves."""
+    fastest device type, the least gradient bytes an all-reduce of them all moves, and
+    the blocks that hold no parameter."""
     best_total = best_heavy = best_last = best_wire = math.inf
+    free = 0
     for t in cluster.device_types:
         prof = profile_for(t, b)
         works = [x.fwd_ms + x.bwd_ms for x in prof.blocks]
@@ -392,4 +394,5 @@ def _work(
         best_heavy = min(best_heavy, max(works))
         best_last = min(best_last, works[-1] + loss)
         best_wire = min(best_wire, wire_bytes(prof, training))
-    return best_total, best_heavy, best_last, best_wire
+        free = sum(x.param_bytes == 0 for x in prof.blocks)
+    return best_total, best_heavy, best_last, best_wire, free

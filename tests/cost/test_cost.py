@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
 from models import cpu_cluster, usable_cores
 
 from planner.cost import CostModel, Layout, cpu_speeds, state_bytes
+from planner.cost.step_time import allreduce_floor
 from planner.devices.build import from_gpus
 from planner.options import Training
 from planner.plan.records import BlockCost, ModelProfile, TiedSet
@@ -346,3 +348,23 @@ def test_oversubscribed_cpu_messages_wait_for_a_core() -> None:
     assert four.time.wakeup_s == CPU_OVERSUBSCRIBED_WAKEUP_S and two.time.wakeup_s == 0.0
     link = four.cluster.p2p_time(0, 1, 2 * MB)
     assert four.time.cut(0, 2)[0] == pytest.approx((link + CPU_OVERSUBSCRIBED_WAKEUP_S) * 1e3 * 2.3)
+
+
+def test_a_stage_without_parameters_all_reduces_nothing() -> None:
+    """The runtime wraps no DDP around a stage that holds no parameter: no all-reduce is
+    priced for it (a BERT's first stage on local CPUs was priced 9.9 ms of one), and the
+    search's floor on the all-reduces leaves such stages' latency out."""
+    prof = _profile()
+    free = replace(prof, blocks=(replace(prof.blocks[0], param_bytes=0), *prof.blocks[1:]))
+    cm = _model(pp=2, dp=2, prof=free)
+    assert cm.time.reduce_ms(0, 0, 1) == 0.0
+    assert cm.time.reduce_ms(0, 0, 2) > 0.0 and cm.time.reduce_ms(1, 1, 4) > 0.0
+
+    def ring(ranks: Sequence[int], nbytes: float) -> float:  # α 1 ms a rank, 1 ms a MB
+        return 1e-3 * len(ranks) + nbytes * 1e-9
+
+    grid = [(0, 1), (2, 3, 4)]
+    assert allreduce_floor(ring, grid, 1e6) == pytest.approx(2 + 3 + 1)
+    assert allreduce_floor(ring, grid, 1e6, free=1) == pytest.approx(2 + 1)  # the costliest α
+    assert allreduce_floor(ring, grid, 1e6, free=5) == pytest.approx(2 + 1)  # never all
+    assert allreduce_floor(ring, grid, 0.0) == 0.0
