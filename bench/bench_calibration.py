@@ -58,7 +58,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench._common import cpu_figures, table, write_json
+from bench._common import cpu_figures, knobs, table, write_json
 from planner.plan.text import ERROR_CONVENTION, rel_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,17 +189,12 @@ def _priced_as_planned(name: str, folder: Path) -> Iterator[None]:
     (2.57 µs per op against 1.16 when the plans were made, 2026-12-07)."""
     from planner.devices.local import forget_measurements
 
-    before = os.environ.get("PLANNER_CACHE_DIR")
-    os.environ["PLANNER_CACHE_DIR"] = _env(name, folder)["PLANNER_CACHE_DIR"]
-    forget_measurements()
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["PLANNER_CACHE_DIR"]
-        else:
-            os.environ["PLANNER_CACHE_DIR"] = before
+    with knobs({"PLANNER_CACHE_DIR": _env(name, folder)["PLANNER_CACHE_DIR"]}):
         forget_measurements()
+        try:
+            yield
+        finally:
+            forget_measurements()  # the next figures come from the cache restored
 
 
 def _run(name: str, plan_file: Path, steps: int, meas: Path, memory: bool) -> list[str]:

@@ -118,11 +118,11 @@ def allreduce_floor(
     """
     if not grid or wire_bytes <= 0:
         return 0.0
-    alphas = sorted(ring_time(ranks, 0.0) for ranks in grid)
+    alphas = [ring_time(ranks, 0.0) for ranks in grid]
+    bytes_part = min(ring_time(r, wire_bytes) - a for r, a in zip(grid, alphas, strict=True))
     held = len(alphas) - min(free, len(alphas) - 1)  # stages that must hold a parameter
-    bytes_part = min(ring_time(r, wire_bytes) - ring_time(r, 0.0) for r in grid)
     # rounding of the sums aside (1e-9 relative: a bound, not a figure to print)
-    return (sum(alphas[:held]) + max(bytes_part, 0.0)) * 1e3 * (1 - 1e-9)
+    return (sum(sorted(alphas)[:held]) + max(bytes_part, 0.0)) * 1e3 * (1 - 1e-9)
 
 
 def shared_cores_bound(
