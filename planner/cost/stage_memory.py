@@ -148,9 +148,10 @@ class StageMemoryModel:
         saved = stage_output * scale if last else 0.0  # what the loss saves: freed by its backward
         per_mb = (0.0 if recompute else acts) + loss
         all_grads = n_params * b.grads_b  # tied copies' gradients: in tied_copies
-        # In a block's backward: the gradients of its output and of its input; and the
-        # stage input's gradient of the previous micro-batch, held until its send ends.
-        first_pair = (tab.output[i] + stage_input) * scale
+        # In a block's backward: the gradients of its output and of its input (none for
+        # the model's inputs: no batch tensor requires one); and the stage input's
+        # gradient of the previous micro-batch, held until its send ends.
+        first_pair = (tab.output[i] + (stage_input if i > 0 else 0.0)) * scale
         pair = max(first_pair, tab.grad_pair(i + 1, j)[0]) if j > i + 1 else first_pair
         grad_tmp = pair + (stage_input * scale if i > 0 else 0.0)
         # The first backward: gradients of blocks >= k, activations of blocks <= k.

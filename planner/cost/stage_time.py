@@ -14,8 +14,8 @@ replicas, ``m`` micro-batches of ``b = B / (dp·m)`` samples):
 * **p2p**: the bytes live across the split point (``boundary_bytes``, skip
   connections included) sent forward, and their gradients sent back, over the
   link joining the two stages' devices: latency + bytes / bandwidth (between
-  CPU processes slowed like compute, and with a wake-up wait when the cores are
-  oversubscribed: ``CPU_OVERSUBSCRIBED_WAKEUP_S``). A strided tensor among
+  CPU processes slowed like compute, plus a wake-up wait, not slowed, when the
+  cores are oversubscribed: ``CPU_OVERSUBSCRIBED_WAKEUP_S``). A strided tensor among
   them (a transposed residual, a channels-last view) is first copied dense by
   the sender, and its gradient by the receiver: a read and a write of its
   bytes at the device's memory bandwidth (``runtime.split.relay``).
@@ -78,11 +78,18 @@ CPU_CORUN_SLOWDOWN = 1.15
 # prices layouts whose co-running processes are stages only (dp 1); a layout with
 # replicas keeps CPU_CORUN_SLOWDOWN (which was measured with all processes busy).
 
-# When local CPU processes outnumber the cores (pp × dp × threads > cores), a
-# process woken by a message often waits for a core first: about a scheduler time
-# slice. Fitted on the 2-core machine, pp 2 × dp 2 (4 processes): 2 ms per message
-# (before the time-slicing factor, so ~4.6 ms in all) took the step errors of the
-# four examples from −14…−21 % to −7…+2 % (bench/bench_accuracy.py).
+# [Note: a wake-up is not time-sliced] When local CPU processes outnumber the cores
+# (pp × dp × threads > cores), a process woken by a message often waits for a core
+# first: about a scheduler time slice, per message. It is a wait, not work, so the
+# time-slicing factor that slows the transfers' copies (``comm_scale``) does not
+# multiply it. First fitted on the 2-core machine, pp 2 × dp 2 (4 processes), as
+# 2 ms slowed by that factor (2.3: 4.6 ms a message) on the four examples; the
+# calibration benchmark's quiet run (2026-12-07) then measured the waits between
+# one stage's action ending and the next stage's starting at 1.6–3.8 ms (median
+# 2.8) on eight models, and the all-reduces of stages whose neighbours were idle at
+# 1.2–2.9 ms beyond their ring (priced 9.2 ms of wake-ups then): priced as 2 ms a
+# message, not slowed, the 2 × 2 cases of BERT and Llama (transformers) went from
+# +40 % and +27 % to −3 % and +3 % on the same launches.
 CPU_OVERSUBSCRIBED_WAKEUP_S = 2e-3
 
 # [Note: gloo's all-gather and reduce-scatter] NCCL runs both as rings, each half a
@@ -139,7 +146,8 @@ class StageTime:
             stage table use.
         comm_scale: the same for transfers (between CPU processes they are CPU
             work too: loopback copies), 1 elsewhere.
-        wakeup_s: the wait per message when the cores are oversubscribed.
+        wakeup_s: the wait per message when the cores are oversubscribed, not
+            slowed by ``comm_scale`` ([Note: a wake-up is not time-sliced]).
         calibration: the profile's calibration (``planner calibrate``), or one
             that changes nothing: its action overhead and co-run slow-down
             replace the defaults, its scales multiply the optimizer step and the
@@ -216,10 +224,11 @@ class StageTime:
         copied = b.table(s).copied[j] * b.act_scale
         fwd = bwd = 0.0
         for src, dst in self._link_pairs(s):
-            link = b.cluster.p2p_time(src, dst, nbytes) + self.wakeup_s
+            link = b.cluster.p2p_time(src, dst, nbytes)
             fwd = max(fwd, link + self._dense_copy_s(src, copied))
             bwd = max(bwd, link + self._dense_copy_s(dst, copied))
-        scale, extra = 1e3 * self.comm_scale, self.calibration.p2p_extra_ms
+        # The wake-up wait is not slowed ([Note: a wake-up is not time-sliced]).
+        scale, extra = 1e3 * self.comm_scale, self.calibration.p2p_extra_ms + 1e3 * self.wakeup_s
         return fwd * scale + extra, bwd * scale + extra
 
     def _link_pairs(self, s: int) -> list[tuple[int, int]]:
@@ -286,9 +295,9 @@ class StageTime:
         n_params = b.held_parameters(s, i, j)
         if b.layout.dp == 1 or b.fsdp or n_params == 0:
             return 0.0
-        t = b.cluster.allreduce_time(b.layout.ranks[s], n_params * b.wire_b)
+        t = b.cluster.allreduce_time(b.layout.ranks[s], n_params * b.wire_b) * self.comm_scale
         t += 2 * (b.layout.dp - 1) * self.wakeup_s  # a ring's 2(n − 1) messages
-        return t * 1e3 * self.comm_scale * self.calibration.allreduce_scale
+        return t * 1e3 * self.calibration.allreduce_scale
 
     def tied_ms(self, s: int, i: int, j: int) -> float:
         """The all-reduce of tied weights' gradients that stage s shares with other
@@ -312,11 +321,8 @@ class StageTime:
         grads = nbytes / b.param_elem * b.grads_b
         me = b.layout.ranks[s][0]
         others = {b.layout.ranks[o][0] for o in range(b.layout.n_stages)} - {me}
-        worst = max(
-            (b.cluster.allreduce_time((o, me), grads) + 2 * self.wakeup_s for o in others),
-            default=0.0,
-        )
-        return self.comm_scale * 1e3 * worst
+        ring = max((b.cluster.allreduce_time((o, me), grads) for o in others), default=0.0)
+        return (ring * self.comm_scale + 2 * self.wakeup_s) * 1e3
 
     def gather_ms(self, s: int, i: int, j: int) -> float:
         """With ZeRO-1, after the optimizer step: each replica of stage s sends the
@@ -333,8 +339,8 @@ class StageTime:
         dp = b.layout.dp
         share = b.stepped(s, i, j) * b.weights_b
         one = b.cluster.allreduce_time(b.layout.ranks[s], share * dp / (dp - 1)) / 2
-        t = dp * (one + self.wakeup_s)
-        return t * 1e3 * self.comm_scale * self.calibration.allreduce_scale
+        t = dp * (one * self.comm_scale + self.wakeup_s)
+        return t * 1e3 * self.calibration.allreduce_scale
 
     def fsdp_ms(self, s: int, i: int, j: int) -> tuple[float, float]:
         """With FSDP, (the weights' all-gather, the gradients' reduce-scatter) of stage s
@@ -354,10 +360,11 @@ class StageTime:
             return 0.0, 0.0
         n_params = b.held_parameters(s, i, j)
         ranks, wait = b.layout.ranks[s], (b.layout.dp - 1) * self.wakeup_s
-        scale = 1e3 * self.comm_scale * self.calibration.allreduce_scale
         times = _GLOO_FSDP if b.cluster.backend == "gloo" else (0.5, 0.5)
-        gather = b.cluster.allreduce_time(ranks, n_params * b.weights_b) * times[0] + wait
-        scatter = b.cluster.allreduce_time(ranks, n_params * b.wire_b) * times[1] + wait
+        ring = [x * self.comm_scale for x in times]
+        gather = b.cluster.allreduce_time(ranks, n_params * b.weights_b) * ring[0] + wait
+        scatter = b.cluster.allreduce_time(ranks, n_params * b.wire_b) * ring[1] + wait
+        scale = 1e3 * self.calibration.allreduce_scale
         return gather * scale, scatter * scale
 
     def sync(self, s: int, i: int, j: int) -> float:

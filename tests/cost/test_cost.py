@@ -167,6 +167,15 @@ def test_a_later_loss_backward_makes_no_parameter_gradient() -> None:
     assert small.activations == 16 * MB + 1 * MB + 4 * MB + 3 * MB + 2 * MB + 4 * MB
 
 
+def test_no_gradient_is_made_for_the_models_inputs() -> None:
+    """The first stage's first block makes no gradient of its input: no batch tensor
+    requires one (BERT's first stage, one parameter-free block, was priced 1 KiB of it)."""
+    mem = _model(pp=2, m=1, prof=replace(_profile(), input_bytes=64 * MB)).memory(0, 0, 1)
+    # The batch (64) and one output-gradient buffer (2), block 0's saved 8, and in its
+    # backward the gradient of its output (1) alone.
+    assert mem.activations == 64 * MB + 2 * MB + 8 * MB + 1 * MB
+
+
 def test_the_loss_backward_can_be_the_peak() -> None:
     prof = _profile()
     big = prof.blocks[-1]
@@ -341,13 +350,17 @@ def test_cpu_optimizer_step_counts_tensors_and_traffic() -> None:
 
 
 def test_oversubscribed_cpu_messages_wait_for_a_core() -> None:
-    from planner.cost.stage_time import CPU_OVERSUBSCRIBED_WAKEUP_S
+    from planner.cost.stage_time import CPU_OVERSUBSCRIBED_WAKEUP_S as WAIT
 
     four = _cpu_model(pp=2, dp=2, m=4, cores=2)  # 4 processes × 1 thread on 2 cores
     two = _cpu_model(pp=2, dp=1, m=4, cores=2)
-    assert four.time.wakeup_s == CPU_OVERSUBSCRIBED_WAKEUP_S and two.time.wakeup_s == 0.0
+    assert four.time.wakeup_s == WAIT and two.time.wakeup_s == 0.0
+    # The copies are time-sliced (2.3×), the wait for a core is not ([Note: a wake-up is
+    # not time-sliced]): a transfer's one message, a 2-rank ring's two.
     link = four.cluster.p2p_time(0, 1, 2 * MB)
-    assert four.time.cut(0, 2)[0] == pytest.approx((link + CPU_OVERSUBSCRIBED_WAKEUP_S) * 1e3 * 2.3)
+    assert four.time.cut(0, 2)[0] == pytest.approx((link * 2.3 + WAIT) * 1e3)
+    ring = four.cluster.allreduce_time((0, 2), four.basis.held_parameters(0, 0, 2) * 4)
+    assert four.time.reduce_ms(0, 0, 2) == pytest.approx((ring * 2.3 + 2 * WAIT) * 1e3)
 
 
 def test_a_stage_without_parameters_all_reduces_nothing() -> None:

@@ -137,7 +137,7 @@ def test_fsdp_on_gloo_is_priced_at_gloos_measured_multiples_of_its_all_reduce() 
     cost = CostModel({"cpu": prof}, cpu_cluster(2), Training(global_batch=2), layout)
     gather, scatter = cost.time.fsdp_ms(0, 0, 8)
     ring = cost.cluster.allreduce_time((0, 1), N * 4) * 1e3 * cost.time.comm_scale
-    wait = cost.time.wakeup_s * 1e3 * cost.time.comm_scale
+    wait = cost.time.wakeup_s * 1e3  # not time-sliced
     assert gather == pytest.approx(1.3 * ring + wait)
     assert scatter == pytest.approx(1.8 * ring + wait)
 
