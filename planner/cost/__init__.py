@@ -1,7 +1,8 @@
 """The one owner of time and memory: a placement in, its predicted step out.
 
 ``basis`` (the layout and the blocks' tables), ``stage_time`` (a stage's
-compute, sends, all-reduce, tied exchange, optimizer step), ``stage_memory``
+compute, sends, all-reduce, tied exchange, optimizer step; ``agreement``, the
+norm read before the optimizer step), ``stage_memory``
 (a stage's peak, by kind), ``model`` (:class:`CostModel`: segments for the
 solver, :meth:`CostModel.predict` for a placement), ``simulate`` (the step's
 timeline, the only producer of one), ``step_time`` (the closed form, bounds),

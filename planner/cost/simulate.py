@@ -11,9 +11,10 @@ free and its input has arrived::
                (the last stage: its own F(s, k))
 
 The last backward of a stage also all-reduces its gradients across its
-replicas (DDP, ``reduce``) before its gradient goes back; after it, each stage
-runs its tail (the tied weights' exchange, the optimizer step: ``sync``), and
-the step ends when every stage has. These rules are the step's graph
+replicas (DDP, ``reduce``) before its gradient goes back; once every stage's
+last backward has ended, each stage runs its tail (the tied weights' exchange,
+the agreement on the step, the optimizer step: ``sync``), and the step ends
+when every stage has. These rules are the step's graph
 ([Note: the step graph] in :mod:`planner.cost.step_graph`); the simulation runs
 it, node by node.
 
@@ -91,8 +92,8 @@ def simulate(
             "1f1b", "interleaved-1f1b", ...).
         link_fwd, link_bwd: per link s → s+1 (p − 1 of them), the time of one
             micro-batch's activation / gradient transfer. Default 0.
-        sync: per stage, the tail after its last backward (tied exchange,
-            optimizer step; with FSDP its all-gather and reduce-scatter).
+        sync: per stage, the tail after every stage's last backward (tied
+            exchange, agreement, optimizer step; FSDP's collectives).
         speed: ``speed[k − 1]`` is the rate at which every computing stage
             progresses while k stages compute at once (1.0 = as fast as alone;
             see [Note: shared cores]). Default: 1.0 for every k.

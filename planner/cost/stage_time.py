@@ -31,6 +31,8 @@ replicas, ``m`` micro-batches of ``b = B / (dp·m)`` samples):
   with FSDP over a replica's shard, and no all-reduce: the weights' **all-gather**
   and the gradients' **reduce-scatter**, both in the tail ([Note: FSDP as it runs] in
   :mod:`planner.cost.basis`).
+* **the agreement**, after every stage's last backward: the gradient norm, a read
+  of the stage's gradients (:mod:`planner.cost.agreement`).
 
 Pure: no torch. Times in milliseconds.
 """
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from planner.cost.agreement import agree_ms
 from planner.cost.basis import CostBasis
 from planner.cost.cpu_step import cpu_step_s
 from planner.devices.catalogue import Device
@@ -80,16 +83,12 @@ CPU_CORUN_SLOWDOWN = 1.15
 
 # [Note: a wake-up is not time-sliced] When local CPU processes outnumber the cores
 # (pp × dp × threads > cores), a process woken by a message often waits for a core
-# first: about a scheduler time slice, per message. It is a wait, not work, so the
-# time-slicing factor that slows the transfers' copies (``comm_scale``) does not
-# multiply it. First fitted on the 2-core machine, pp 2 × dp 2 (4 processes), as
-# 2 ms slowed by that factor (2.3: 4.6 ms a message) on the four examples; the
-# calibration benchmark's quiet run (2026-12-07) then measured the waits between
-# one stage's action ending and the next stage's starting at 1.6–3.8 ms (median
-# 2.8) on eight models, and the all-reduces of stages whose neighbours were idle at
-# 1.2–2.9 ms beyond their ring (priced 9.2 ms of wake-ups then): priced as 2 ms a
-# message, not slowed, the 2 × 2 cases of BERT and Llama (transformers) went from
-# +40 % and +27 % to −3 % and +3 % on the same launches.
+# first, about a scheduler time slice: a wait, not work, so the time-slicing that
+# slows the copies (``comm_scale``) does not multiply it. Fitted first as 2 ms so
+# multiplied (2.3×: 4.6 ms a message, four examples at pp 2 × dp 2); the calibration
+# benchmark's quiet run (2026-12-07) measured 1.6–3.8 ms (median 2.8, eight models)
+# between a stage's action ending and the next stage's starting: 2 ms, not slowed,
+# took BERT's and Llama's 2 × 2 cases from +40 and +27 % to −3 and +3 % (same launches).
 CPU_OVERSUBSCRIBED_WAKEUP_S = 2e-3
 
 # [Note: gloo's all-gather and reduce-scatter] NCCL runs both as rings, each half a
@@ -367,13 +366,18 @@ class StageTime:
         scale = 1e3 * self.calibration.allreduce_scale
         return gather * scale, scatter * scale
 
+    def agree_ms(self, s: int, i: int, j: int) -> float:
+        """[Note: the step's agreement] on stage s (ms)."""
+        return agree_ms(self.b, s, (i, j), [d for d, _ in self._devices(s)], self.compute_scale)
+
     def sync(self, s: int, i: int, j: int) -> float:
-        """The step's tail on stage s (ms): DDP's gradient all-reduce, the tied
-        weights' exchange ([Note: tied copies]), the optimizer step, with ZeRO-1
-        the weights' broadcasts, with FSDP its all-gather and reduce-scatter."""
+        """The step's tail on stage s (ms): DDP's all-reduce, the tied exchange ([Note:
+        tied copies]), the agreement, the optimizer step, with ZeRO-1 the weights'
+        broadcasts, with FSDP its all-gather and reduce-scatter."""
         return (
             self.reduce_ms(s, i, j)
             + self.tied_ms(s, i, j)
+            + self.agree_ms(s, i, j)
             + self.optimizer_ms(s, i, j)
             + self.gather_ms(s, i, j)
             + sum(self.fsdp_ms(s, i, j))

@@ -15,10 +15,13 @@ optimizer step). An edge u → v says v starts after u ends:
   own forward); a weight part ``W`` needs its stage's ``I``;
 * a link between two ranks carries one transfer at a time, in the order the
   sender sends (forward and backward transfers alike);
-* a rank's tails follow its last action, one stage after another. Stages
-  that all-reduce tied weights together (``join``) start their tails
-  together, after every member's last backward: those edges depend on the
-  placement and are added when the graph is run.
+* a rank's tails follow its last action, one stage after another, and
+  every stage's last backward: the runtime agrees on the loss and the
+  gradient norm over the pipeline before any optimizer steps ([Note: the
+  step's agreement] in :mod:`planner.cost.agreement`). Stages that
+  all-reduce tied weights together (``join``) start their tails together,
+  after every member's last backward: those edges depend on the placement
+  and are added when the graph is run.
 
 Each node's duration is a sum of *figures* of one stage or link, named as in
 :class:`~planner.plan.sections.StepInputs`: ``fwd`` / ``bwd`` (compute, which
@@ -150,6 +153,9 @@ def step_graph(schedule: str, n_stages: int, micro_batches: int, virtual: int = 
             keys.append(("tail", s, -1))
             preds[("tail", s, -1)] = [prev]
             prev = ("tail", s, -1)
+    for s in range(p):  # [Note: the step's agreement]: after every stage's last backward
+        tail = preds[("tail", s, -1)]
+        tail += [last[g] for g in range(p) if last[g] not in tail]
     order = _topological(keys, preds)
     # Tails last: nothing but a rank's next tail follows one, so the order stays
     # topological, and a joined tail's waits for other stages' last actions (tied

@@ -265,11 +265,14 @@ def test_cut_and_sync_use_the_cluster_links() -> None:
     link = cm.cluster.p2p_time(0, 1, 2 * MB) * 1e3
     assert f == pytest.approx(link) and b == pytest.approx(link)
     ring = cm.cluster.allreduce_time(cm.layout.ranks[0], 2 * MB * 4) * 1e3
-    # Then the optimizer step: 2 Mi params × (2 × (4 + 8) + 4) bytes at HBM speed.
+    # Then the agreement's norm reads the gradients (2 Mi × 4 bytes) once, and the
+    # optimizer step moves 2 Mi params × (2 × (4 + 8) + 4) bytes, at HBM speed.
     dev = cm.cluster.devices[0].device
-    optim = 2 * MB * 28 / (dev.memory_bandwidth * dev.memory_efficiency) * 1e3
+    hbm = dev.memory_bandwidth * dev.memory_efficiency
+    optim, norm = 2 * MB * 28 / hbm * 1e3, 2 * MB * 4 / hbm * 1e3
     assert cm.time.optimizer_ms(0, 0, 2) == pytest.approx(optim)
-    assert cm.sync(0, 0, 2) == pytest.approx(ring + optim)
+    assert cm.time.agree_ms(0, 0, 2) == pytest.approx(norm)
+    assert cm.sync(0, 0, 2) == pytest.approx(ring + norm + optim)
 
 
 def test_strided_tensors_across_a_cut_are_priced_as_a_dense_copy() -> None:

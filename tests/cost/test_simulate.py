@@ -80,15 +80,17 @@ def test_1f1b_closed_form_bounds_uneven_stages_without_links(fwd, m) -> None:
     assert simulate(**kw).step_ms <= closed_form(**kw) * (1 + 1e-9)
 
 
-def test_sync_overlaps_the_drain_of_earlier_stages() -> None:
-    # Stage 1 finishes its backwards before stage 0: its all-reduce hides behind stage 0.
+def test_every_tail_waits_for_every_stages_last_backward() -> None:
+    # [Note: the step's agreement]: stage 1 finishes its backwards before stage 0, but
+    # its tail (its optimizer step) waits for stage 0's last backward, as the runtime's
+    # agreement on the loss and the gradient norm makes it.
     kw = dict(fwd=[1, 1], bwd=[2, 2], micro_batches=2)
     base = simulate(**kw).step_ms
-    hidden = simulate(**kw, sync=[0.0, 1.5]).step_ms
-    exposed = simulate(**kw, sync=[1.5, 0.0]).step_ms
-    assert hidden == base
-    assert exposed == base + 1.5 == closed_form(**kw, sync=[1.5, 0.0])
-    assert hidden <= closed_form(**kw, sync=[0.0, 1.5])
+    late = simulate(**kw, sync=[0.0, 1.5])
+    assert late.step_ms == base + 1.5 == closed_form(**kw, sync=[0.0, 1.5])
+    tail = next(e for e in late.events if e.kind == "tail" and e.stage == 1)
+    assert tail.start == max(e.end for e in late.events if e.kind == "B")
+    assert simulate(**kw, sync=[1.5, 0.0]).step_ms == base + 1.5
 
 
 def test_one_stage_has_no_bubble() -> None:

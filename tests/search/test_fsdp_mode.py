@@ -122,11 +122,14 @@ def test_fsdp_time_is_half_an_all_reduce_each_way_and_a_quarter_step(precision: 
     # The optimizer steps a quarter of the parameters: a quarter of the GPU's pass.
     step = fsdp.time.optimizer_ms(0, 0, 8)
     assert step == pytest.approx(ddp.time.optimizer_ms(0, 0, 8) / 4)
-    assert fsdp.time.sync(0, 0, 8) == pytest.approx(step + gather + scatter)
+    # The norm before it reads a replica's shard of the gradients: a quarter too.
+    norm = fsdp.time.agree_ms(0, 0, 8)
+    assert norm == pytest.approx(ddp.time.agree_ms(0, 0, 8) / 4)
+    assert fsdp.time.sync(0, 0, 8) == pytest.approx(step + gather + scatter + norm)
     # Both collectives in the stage's tail, none inside its last backward.
     inputs = fsdp.predict((0,)).inputs
     assert inputs.reduce_ms == (0.0,)
-    assert inputs.tail_ms[0] == pytest.approx(step + gather + scatter)
+    assert inputs.tail_ms[0] == pytest.approx(step + gather + scatter + norm)
 
 
 def test_fsdp_on_gloo_is_priced_at_gloos_measured_multiples_of_its_all_reduce() -> None:
