@@ -15,7 +15,8 @@ from planner.plan.records import BlockCost, ModelProfile
 MB = 2**20
 
 
-def _profile(n: int = 4, device: str = "cpu") -> ModelProfile:
+def _profile() -> ModelProfile:
+    """Four blocks; block 0 holds no parameter, the others 4 MiB each (one module call)."""
     blocks = tuple(
         BlockCost(
             index=k,
@@ -28,12 +29,12 @@ def _profile(n: int = 4, device: str = "cpu") -> ModelProfile:
             output_bytes=MB,
             boundary_bytes=0 if k == 0 else MB,
         )
-        for k in range(n)
+        for k in range(4)
     )
     return ModelProfile(
         fingerprint="f",
         source="measured",
-        device=device,
+        device="cpu",
         batch_size=4,
         dtype="float32",
         threads=1,
