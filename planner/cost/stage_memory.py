@@ -151,9 +151,10 @@ class StageMemoryModel:
         # In a block's backward: the gradients of its output and of its input (none for
         # the model's inputs: no batch tensor requires one); and the stage input's
         # gradient of the previous micro-batch, held until its send ends.
-        first_pair = (tab.output[i] + (stage_input if i > 0 else 0.0)) * scale
+        input_grad = stage_input * scale if i > 0 else 0.0
+        first_pair = tab.output[i] * scale + input_grad
         pair = max(first_pair, tab.grad_pair(i + 1, j)[0]) if j > i + 1 else first_pair
-        grad_tmp = pair + (stage_input * scale if i > 0 else 0.0)
+        grad_tmp = pair + input_grad
         # The first backward: gradients of blocks >= k, activations of blocks <= k.
         _, k = tab.backward_curve(i, j)
         first_grads = tab.grads[j] - tab.grads[k]

@@ -226,9 +226,12 @@ class StageTime:
             link = b.cluster.p2p_time(src, dst, nbytes)
             fwd = max(fwd, link + self._dense_copy_s(src, copied))
             bwd = max(bwd, link + self._dense_copy_s(dst, copied))
-        # The wake-up wait is not slowed ([Note: a wake-up is not time-sliced]).
-        scale, extra = 1e3 * self.comm_scale, self.calibration.p2p_extra_ms + 1e3 * self.wakeup_s
-        return fwd * scale + extra, bwd * scale + extra
+        extra = self.calibration.p2p_extra_ms  # one message each way
+        return self._wire_s(fwd, 1) * 1e3 + extra, self._wire_s(bwd, 1) * 1e3 + extra
+
+    def _wire_s(self, copies_s: float, messages: int) -> float:
+        """Copies time-sliced, a wait per message ([Note: a wake-up is not time-sliced])."""
+        return copies_s * self.comm_scale + messages * self.wakeup_s
 
     def _link_pairs(self, s: int) -> list[tuple[int, int]]:
         """One (sender, receiver) rank pair of link s → s+1 per kind of pair the replicas
@@ -294,9 +297,8 @@ class StageTime:
         n_params = b.held_parameters(s, i, j)
         if b.layout.dp == 1 or b.fsdp or n_params == 0:
             return 0.0
-        t = b.cluster.allreduce_time(b.layout.ranks[s], n_params * b.wire_b) * self.comm_scale
-        t += 2 * (b.layout.dp - 1) * self.wakeup_s  # a ring's 2(n − 1) messages
-        return t * 1e3 * self.calibration.allreduce_scale
+        ring, dp = b.cluster.allreduce_time(b.layout.ranks[s], n_params * b.wire_b), b.layout.dp
+        return self._wire_s(ring, 2 * (dp - 1)) * 1e3 * self.calibration.allreduce_scale
 
     def tied_ms(self, s: int, i: int, j: int) -> float:
         """The all-reduce of tied weights' gradients that stage s shares with other
@@ -321,7 +323,7 @@ class StageTime:
         me = b.layout.ranks[s][0]
         others = {b.layout.ranks[o][0] for o in range(b.layout.n_stages)} - {me}
         ring = max((b.cluster.allreduce_time((o, me), grads) for o in others), default=0.0)
-        return (ring * self.comm_scale + 2 * self.wakeup_s) * 1e3
+        return self._wire_s(ring, 2) * 1e3
 
     def gather_ms(self, s: int, i: int, j: int) -> float:
         """With ZeRO-1, after the optimizer step: each replica of stage s sends the
@@ -338,7 +340,7 @@ class StageTime:
         dp = b.layout.dp
         share = b.stepped(s, i, j) * b.weights_b
         one = b.cluster.allreduce_time(b.layout.ranks[s], share * dp / (dp - 1)) / 2
-        t = dp * (one * self.comm_scale + self.wakeup_s)
+        t = dp * self._wire_s(one, 1)
         return t * 1e3 * self.calibration.allreduce_scale
 
     def fsdp_ms(self, s: int, i: int, j: int) -> tuple[float, float]:
@@ -357,14 +359,12 @@ class StageTime:
         b = self.b
         if not b.fsdp:
             return 0.0, 0.0
-        n_params = b.held_parameters(s, i, j)
-        ranks, wait = b.layout.ranks[s], (b.layout.dp - 1) * self.wakeup_s
+        n, ranks, dp = b.held_parameters(s, i, j), b.layout.ranks[s], b.layout.dp
         times = _GLOO_FSDP if b.cluster.backend == "gloo" else (0.5, 0.5)
-        ring = [x * self.comm_scale for x in times]
-        gather = b.cluster.allreduce_time(ranks, n_params * b.weights_b) * ring[0] + wait
-        scatter = b.cluster.allreduce_time(ranks, n_params * b.wire_b) * ring[1] + wait
+        gather = b.cluster.allreduce_time(ranks, n * b.weights_b) * times[0]
+        scatter = b.cluster.allreduce_time(ranks, n * b.wire_b) * times[1]
         scale = 1e3 * self.calibration.allreduce_scale
-        return gather * scale, scatter * scale
+        return self._wire_s(gather, dp - 1) * scale, self._wire_s(scatter, dp - 1) * scale
 
     def agree_ms(self, s: int, i: int, j: int) -> float:
         """[Note: the step's agreement] on stage s (ms)."""
