@@ -19,7 +19,11 @@ another dp (``--reshard``) still trains step n on the same global batch.
 
 Without ``dataset()``, step n's batch is ``sample_batch(B)`` called with
 torch's RNG seeded to ``s + n`` (the training RNG untouched), the same global
-batch on every rank; ``ParallelModel.step`` takes the replica's slice of it.
+batch on every rank; each rank keeps a copy of its replica's slice of it (the
+slice ``ParallelModel.step`` would take) and lets the global batch go: held
+whole, every rank would keep dp times the batch its replica trains on (on a CPU
+device that is the stage's memory: [Note: the batch a process holds] in
+``planner.cost.stage_memory``).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from functools import lru_cache
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
-from planner.plan.batch import Batch
+from planner.plan.batch import Batch, slice_batch
 from planner.plan.modelfile import ModelFile
 from planner.plan.schema import Plan
 
@@ -119,13 +124,14 @@ class Feed:
     Example::
 
         feed = Feed.of(load_model_file("model.py"), plan, replica=0, seed=0)
-        batch = feed.batch(step)   # this replica's shard with dataset(), else the global batch
+        batch = feed.batch(step)   # this replica's shard of the step's global batch
         loss = pmodel.step(batch.inputs(), batch.targets)
 
     Attributes:
         model_file: the loaded model file.
         plan: the plan (its global batch, dp).
         seed: ``--seed``.
+        replica: which replica's shard of ``sample_batch``'s global batch to keep.
         dataset: the file's ``dataset()``, or None (``sample_batch`` then).
         sharding: which samples this replica reads, with a dataset.
     """
@@ -133,6 +139,7 @@ class Feed:
     model_file: ModelFile
     plan: Plan
     seed: int
+    replica: int = 0
     dataset: Any = None
     sharding: Sharding | None = None
     _last: tuple[int, Batch] | None = field(default=None, init=False, repr=False)
@@ -149,7 +156,7 @@ class Feed:
             ValueError: the dataset is smaller than one global batch.
         """
         if not mf.has_dataset:
-            return cls(model_file=mf, plan=plan, seed=seed)
+            return cls(model_file=mf, plan=plan, seed=seed, replica=replica)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # a dataset drawn at random is the same on every rank
             ds = mf.dataset()
@@ -160,10 +167,12 @@ class Feed:
             replica=replica,
             seed=seed,
         )
-        return cls(model_file=mf, plan=plan, seed=seed, dataset=ds, sharding=sharding)
+        return cls(
+            model_file=mf, plan=plan, seed=seed, replica=replica, dataset=ds, sharding=sharding
+        )
 
     def batch(self, step: int) -> Batch:
-        """Step ``step``'s batch (0-based): B/dp samples with a dataset, else B.
+        """Step ``step``'s batch (0-based): this replica's B/dp samples of the global batch.
 
         The last batch read is kept: the first step's, read for tracing the
         stage, is not read again for training it.
@@ -173,11 +182,24 @@ class Feed:
         if self.sharding is None:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.seed + step)
-                batch = self.model_file.sample(self.plan.global_batch)
+                batch = self._own_shard(self.model_file.sample(self.plan.global_batch))
         else:
             batch = self.model_file.collate([self.dataset[i] for i in self.sharding.indices(step)])
         self._last = (step, batch)
         return batch
+
+    def _own_shard(self, batch: Batch) -> Batch:
+        """This replica's slice of the global ``batch``, copied, so that the global one is freed
+        (a batch of another size is left whole: ``ParallelModel.step`` explains it)."""
+        dp, size = self.plan.dp, self.plan.global_batch
+        if dp == 1 or batch.size != size:
+            return batch
+        lo = self.replica * (size // dp)
+        cut = slice_batch((batch.args, batch.kwargs, batch.targets), lo, lo + size // dp, size)
+        args, kwargs, targets = pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, cut
+        )
+        return Batch(args=args, kwargs=kwargs, targets=targets)
 
     def describe(self) -> str:
         """One line for the log: where the data comes from."""

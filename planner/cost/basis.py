@@ -162,6 +162,7 @@ class BlockTable:
         self.loss_fwd = prof.loss_fwd_ms
         self.loss_bwd = prof.loss_bwd_ms
         self.input_bytes = float(prof.input_bytes)
+        self.target_bytes = float(prof.target_bytes)
         # [Note: the memory peak], the first backward: after block k's backward the
         # gradients of blocks k.. exist and the activations of blocks ..k still do.
         grads = [p * grad_per_param_byte for p in self.params]

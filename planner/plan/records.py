@@ -213,6 +213,8 @@ class ModelProfile(Record):
         blocks: the chain, in execution order.
         tied: tied-parameter sets.
         input_bytes: bytes of one micro-batch of model inputs.
+        target_bytes: bytes of one micro-batch of the loss's targets (0 in profiles
+            made before it was recorded).
         loss_fwd_ms / loss_bwd_ms: the loss function's cost on the last stage.
         whole_fwd_ms / whole_bwd_ms: a measured forward and backward of the whole
             captured graph, unsplit (None for analytic profiles): the check that
@@ -233,6 +235,7 @@ class ModelProfile(Record):
     blocks: tuple[BlockCost, ...]
     tied: tuple[TiedSet, ...] = ()
     input_bytes: int = 0
+    target_bytes: int = 0
     loss_fwd_ms: float = 0.0
     loss_bwd_ms: float = 0.0
     whole_fwd_ms: float | None = None

@@ -57,7 +57,7 @@ __all__ = ["profile_chain", "profile_model"]
 
 log = logging.getLogger(__name__)
 
-_SEMANTICS = "structural fingerprint, saved-bytes-by-producer, generated-code forward, split check"
+_SEMANTICS = "fingerprint, saved-bytes-by-producer, generated-code forward, split check, targets"
 """Part of the cache key: bump it when a figure's meaning changes (old entries then miss)."""
 
 
@@ -167,19 +167,10 @@ def _profile(
     with preserved(model):
         cap = capture(model, args, kwargs)
         key = _cache.key(
-            _SEMANTICS,
-            fp,
-            _graph_signature(cap),
-            _signature((args, kwargs, targets)),
-            options.device,
-            options.dtype,
-            options.repeats,
-            options.warmup,
-            _threads(options),
-            options.target_blocks,
-            options.split_points,
-            loss_fn is not None,
-        )
+            _SEMANTICS, fp, _graph_signature(cap), _signature((args, kwargs, targets)),
+            options.device, options.dtype, options.repeats, options.warmup, _threads(options),
+            options.target_blocks, options.split_points, loss_fn is not None,
+        )  # fmt: skip
         if options.cache:
             cached = _cache.load(key)
             if cached is not None:
@@ -254,6 +245,7 @@ def profile_chain(
         blocks=blocks,
         tied=tied,
         input_bytes=int(sum(t.nbytes for t in cap.flat_inputs if isinstance(t, torch.Tensor))),
+        target_bytes=_nbytes(targets),
         loss_fwd_ms=times.loss_ms[0],
         loss_bwd_ms=times.loss_ms[1],
         whole_fwd_ms=times.whole_ms[0],
@@ -346,6 +338,12 @@ def _notes(chain: BlockChain, cap: Captured, times: _Times) -> tuple[str, ...]:
 
 def _threads(options: ProfileOptions) -> int:
     return options.threads or torch.get_num_threads()
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (meta ones too: their size, not their storage)."""
+    leaves = torch.utils._pytree.tree_leaves(obj)
+    return int(sum(t.nbytes for t in leaves if isinstance(t, torch.Tensor)))
 
 
 def _signature(obj: Any) -> str:

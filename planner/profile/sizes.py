@@ -112,6 +112,7 @@ def at_batch_size(profiles: Sequence[ModelProfile], batch_size: int) -> ModelPro
         batch_size=batch_size,
         blocks=tuple(blocks),
         input_bytes=int(near.input_bytes * ratio),
+        target_bytes=int(near.target_bytes * ratio),
         loss_fwd_ms=time(lo.loss_fwd_ms, hi.loss_fwd_ms),
         loss_bwd_ms=time(lo.loss_bwd_ms, hi.loss_bwd_ms),
         whole_fwd_ms=whole_f,

@@ -152,15 +152,25 @@ def test_every_stage_of_a_replica_reads_the_same_samples(tmp_path: Path) -> None
         assert not torch.equal(batches[0], batches[1])
 
 
-def test_a_feed_without_a_dataset_calls_sample_batch_seeded_per_step() -> None:
+def test_a_feed_without_a_dataset_keeps_a_copy_of_its_replicas_slice() -> None:
     mf = load_model_file(EXAMPLES / "mlp.py")
     feed = Feed.of(mf, _plan(4, dp=2), replica=1, seed=0)
     rng = torch.random.get_rng_state()
     first, second = feed.batch(0), feed.batch(1)
     assert torch.equal(torch.random.get_rng_state(), rng)  # the training RNG untouched
-    assert first.size == second.size == 4  # the global batch: the engine takes the shard
-    other = Feed.of(mf, _plan(4, dp=2), replica=0, seed=0)
-    assert torch.equal(other.batch(1).args[0], second.args[0])  # the same on every rank
+    assert first.size == second.size == 2  # its replica's half of the global batch of 4
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0 + 1)  # seed + step: sample_batch's global batch of step 1
+        whole = mf.sample(4)
+    other = Feed.of(mf, _plan(4, dp=2), replica=0, seed=0).batch(1)
+    assert torch.equal(other.args[0], whole.args[0][:2]) and torch.equal(
+        second.args[0], whole.args[0][2:]
+    )
+    assert torch.equal(second.targets, whole.targets[2:])
+    x = second.args[0]  # a copy: the global batch is not kept alive behind a view of it
+    assert x.untyped_storage().nbytes() == x.numel() * x.element_size()
+    one = Feed.of(mf, _plan(4), replica=0, seed=0).batch(1)  # dp 1: the global batch as it is
+    assert torch.equal(one.args[0], whole.args[0])
 
 
 def _readme_model() -> str:

@@ -1,0 +1,89 @@
+"""What a stage holds besides its blocks' own bytes: the batch it is handed, and the input
+gradients GPipe keeps until its backward sends end ([Note: the batch a process holds],
+[Note: the memory peak] in planner/cost/stage_memory.py)."""
+
+from __future__ import annotations
+
+from models import cpu_cluster, usable_cores
+
+from planner.cost import CostModel, Layout
+from planner.devices.build import from_gpus
+from planner.options import Training
+from planner.plan.records import BlockCost, ModelProfile
+
+MB = 2**20
+
+
+def _profile(device: str, *, inputs: int = 0, targets: int = 0) -> ModelProfile:
+    """Two blocks of 1 Mi fp32 parameters; block 1 saves nothing, takes 8 MiB from block 0
+    and makes 1 MiB of output (the model's)."""
+    blocks = tuple(
+        BlockCost(
+            index=k,
+            name=f"b{k}",
+            modules=(f"b{k}",),
+            fwd_ms=1.0,
+            bwd_ms=2.0,
+            param_bytes=4 * MB,
+            activation_bytes=8 * MB if k == 0 else 0,
+            output_bytes=8 * MB if k == 0 else MB,
+            boundary_bytes=0 if k == 0 else 8 * MB,
+        )
+        for k in range(2)
+    )
+    return ModelProfile(
+        fingerprint="f",
+        source="analytic" if device == "h100" else "measured",
+        device=device,
+        batch_size=4,
+        dtype="float32",
+        threads=0 if device == "h100" else 1,
+        capture="export",
+        blocks=blocks,
+        input_bytes=inputs,
+        target_bytes=targets,
+    )
+
+
+def _model(device: str, m: int, schedule: str = "gpipe", **sizes: int) -> CostModel:
+    layout = Layout(pp=2, dp=1, micro_batches=m, schedule=schedule, ranks=((0,), (1,)))
+    training = Training(global_batch=4 * m)
+    prof = {device: _profile(device, **sizes)}
+    if device == "h100":
+        return CostModel(prof, from_gpus(2, "h100"), training, layout)
+    with usable_cores(2):
+        return CostModel(prof, cpu_cluster(2), training, layout)
+
+
+def test_a_gpu_stage_holds_the_targets_on_the_last_stage_only() -> None:
+    plain, fed = _model("h100", 4), _model("h100", 4, inputs=MB, targets=MB // 4)
+    assert fed.memory(1, 1, 2).total - plain.memory(1, 1, 2).total == 4 * MB // 4
+    # the first stage's inputs are its receive buffers already: as many with or without
+    assert fed.memory(0, 0, 1).total - plain.memory(0, 0, 1).total == 4 * MB
+
+
+def test_a_cpu_stage_holds_its_replicas_whole_batch() -> None:
+    """On a CPU the runtime's feed hands every stage its replica's batch (runtime.data)."""
+    plain, fed = _model("cpu", 4), _model("cpu", 4, inputs=MB, targets=MB // 4)
+    assert fed.memory(1, 1, 2).total - plain.memory(1, 1, 2).total == 4 * (MB + MB // 4)
+    assert fed.memory(0, 0, 1).total - plain.memory(0, 0, 1).total == 4 * (MB + MB // 4)
+
+
+def test_gpipe_holds_every_input_gradient_it_sent_until_the_last_backward_ends() -> None:
+    """Stage 1 (block 1) at m 4: 4 receive buffers of 8 MiB; per micro-batch the output
+    and what the loss saves (1 + 1 MiB). At the last micro-batch's backward, after its
+    loss's: its 2 MiB less the 1 the loss saved, the new 4 MiB parameter gradient, the
+    gradients of the block's output (1) and input (8), and the input gradients of the
+    three earlier micro-batches (24), held until GPipe's sends end: 70 MiB, beside the
+    4 MiB of gradients. (The second backward holds 12 MiB less: 3 micro-batches' 2 MiB
+    and one earlier input gradient.)"""
+    mem = _model("h100", 4).memory(1, 1, 2)
+    assert (mem.grads, mem.activations) == (
+        4 * MB,
+        32 * MB + 2 * MB - MB + 4 * MB + 9 * MB + 24 * MB,
+    )
+    # 1F1B waits for each send before the next backward: no such moment
+    assert _model("h100", 4, schedule="1f1b").memory(1, 1, 2).activations < mem.activations
+    # m 2: the last backward is the second, priced already
+    two = _model("h100", 2).memory(1, 1, 2)
+    assert two.activations == 16 * MB + 2 * MB - MB + 4 * MB + 9 * MB + 8 * MB
