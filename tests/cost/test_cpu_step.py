@@ -13,7 +13,7 @@ from models import cpu_cluster, usable_cores
 
 from planner.cost import CostModel, Layout
 from planner.devices import Cluster
-from planner.devices.local import largest_cache
+from planner.devices.cpu_speed import largest_cache
 from planner.options import Training
 from planner.plan.records import BlockCost, ModelProfile
 

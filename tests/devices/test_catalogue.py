@@ -259,17 +259,17 @@ def test_a_machine_whose_speed_moved_since_its_figures_were_cached_says_so(
 ):
     """The cached figures still price the run (runs agree); the warning gives both figures,
     the ratio, and the cache file to delete."""
-    from planner.devices import local
+    from planner.devices import cpu_speed
 
     monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path))
     forget_measurements()
     first = local_cpu()
     bw, op = first.memory_bandwidth, first.op_overhead_s
     for speed, warned in (((bw * 1.2, op * 0.8), False), ((bw / 2, op * 2.2), True)):
-        monkeypatch.setattr(local, "_quick_speed", lambda speed=speed: speed)
+        monkeypatch.setattr(cpu_speed, "quick_speed", lambda speed=speed: speed)
         forget_measurements()
         caplog.clear()
-        with caplog.at_level("WARNING", logger="planner.devices.local"):
+        with caplog.at_level("WARNING", logger="planner.devices.cpu_speed"):
             again = local_cpu()
         assert (again.memory_bandwidth, again.op_overhead_s) == (bw, op)
         text = caplog.text
@@ -278,4 +278,24 @@ def test_a_machine_whose_speed_moved_since_its_figures_were_cached_says_so(
             assert f"({0.5:.2f}×)" in text and f"({2.2:.2f}×)" in text
             assert f"{bw / 2e9:.2f} GB/s now, {bw / 1e9:.2f} GB/s cached" in text
             assert str(next(tmp_path.glob("profile-*.json"))) in text
+    forget_measurements()
+
+
+def test_a_transient_slow_reading_is_read_again_before_a_drift_is_said(
+    tmp_path, monkeypatch, caplog
+):
+    """[Note: a transient slow spell]: one slow reading, then two at the cached speed."""
+    from planner.devices import cpu_speed
+
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path))
+    forget_measurements()
+    first = local_cpu()
+    bw, op = first.memory_bandwidth, first.op_overhead_s
+    readings = iter([(bw, op * 2.1), (bw, op * 1.05), (bw * 0.9, op)])
+    monkeypatch.setattr(cpu_speed, "quick_speed", lambda: next(readings))
+    forget_measurements()
+    with caplog.at_level("WARNING", logger="planner.devices.cpu_speed"):
+        local_cpu()
+    assert "no longer runs at the speed" not in caplog.text
+    assert next(readings, None) is None  # all three were read
     forget_measurements()
