@@ -316,7 +316,7 @@ class CostModel:
 
     def _inputs(self, stages: Sequence[StagePrediction], bounds: Sequence[int]) -> StepInputs:
         """What the simulation takes: each action's time alone, the speed of each moment,
-        DDP's all-reduce inside the last backward; tied stages join for their tail."""
+        DDP's all-reduce inside the last backward; which stages exchange tied weights."""
         scale = self.time.compute_scale
         reduce = [self.time.reduce_ms(s, bounds[s], bounds[s + 1]) for s in range(len(stages))]
         return StepInputs(

@@ -56,7 +56,6 @@ def replay(inputs: StepInputs) -> Timeline:
         sync=inputs.tail_ms,
         speed=inputs.speed,
         reduce=inputs.reduce_ms,
-        join=inputs.join,
         virtual=inputs.virtual,
         weight_share=inputs.weight_share or None,
     )
@@ -73,7 +72,6 @@ def simulate(
     sync: Sequence[float] | None = None,
     speed: Sequence[float] | None = None,
     reduce: Sequence[float] | None = None,
-    join: Sequence[Sequence[int]] = (),
     virtual: int = 1,
     weight_share: Sequence[float] | None = None,
 ) -> Timeline:
@@ -101,9 +99,6 @@ def simulate(
             backward's gradient goes back to the previous stage: DDP
             all-reduces the gradients inside the last backward, so each stage's
             all-reduce delays the stages before it.
-        join: groups of stages whose ``sync`` starts together, once every
-            member has finished its last backward (they all-reduce the
-            gradients of tied weights, a collective).
         virtual: stages per rank (p / virtual ranks; ``speed`` counts ranks).
         weight_share: per stage, the share of ``bwd`` the split backward's
             ``W`` computes (``I`` the rest). Default ½: a linear layer's two
@@ -134,11 +129,10 @@ def simulate(
             f"(got {rate})"
         )
     graph = step_graph(schedule, p, m, virtual)
-    waits = joined_waits(graph, join)
     if any(r != 1.0 for r in rate):
-        times = _shared(graph, values, rate, waits)
+        times = _shared(graph, values, rate)
     else:
-        times = longest_path(graph, values, waits)
+        times = longest_path(graph, values)
     events = _events(graph, values, times)
     step = max((times[t][2] for t in graph.tails), default=0.0)
     return Timeline(tuple(events), max(step, 0.0), p, m, schedule, ranks)
@@ -150,19 +144,6 @@ def _per(values: Sequence[float] | None, n: int) -> list[float]:
 
 # Per node: (start, end of its compute, end).
 Times = list[tuple[float, float, float]]
-
-
-def joined_waits(graph: StepGraph, join: Sequence[Sequence[int]]) -> dict[int, tuple[int, ...]]:
-    """Per tail node of a joined stage, what it waits for: its own inputs (with several
-    stages per rank, the rank's previous tail: a rank runs its tails one after another)
-    and the last actions of its whole group."""
-    waits: dict[int, tuple[int, ...]] = {}
-    for group in join:
-        members = tuple(graph.last[g] for g in group)
-        for s in group:
-            tail = graph.tails[s]
-            waits[tail] = tuple(dict.fromkeys((*graph.nodes[tail].preds, *members)))
-    return waits
 
 
 def _work(node: Node, values: Mapping[str, list[float]]) -> float:
@@ -178,14 +159,12 @@ def _fixed(node_fixed: tuple[tuple[str, int], ...], values: Mapping[str, list[fl
     return sum(values[name][i] for name, i in node_fixed)
 
 
-def longest_path(
-    graph: StepGraph, values: Mapping[str, list[float]], waits: Mapping[int, tuple[int, ...]]
-) -> Times:
+def longest_path(graph: StepGraph, values: Mapping[str, list[float]]) -> Times:
     """Every stage at full speed: each node starts when its last input ends (list scheduling)."""
     times: Times = []
-    for v, node in enumerate(graph.nodes):
+    for node in graph.nodes:
         start = 0.0
-        for u in waits.get(v, node.preds):
+        for u in node.preds:
             start = max(start, times[u][2])
         done = start + _work(node, values) if node.compute else start
         end = done + _fixed(node.fixed, values) if node.fixed else done
@@ -197,16 +176,15 @@ def _shared(
     graph: StepGraph,
     values: Mapping[str, list[float]],
     rate: Sequence[float],
-    waits: Mapping[int, tuple[int, ...]],
 ) -> Times:
     """The stages computing at once share the machine (``speed``), so a compute's end
     depends on what else runs meanwhile: an event-driven run of the graph."""
     nodes = graph.nodes
     times: list[tuple[float, float, float] | None] = [None] * len(nodes)
-    left = [len(waits.get(v, n.preds)) for v, n in enumerate(nodes)]
+    left = [len(n.preds) for n in nodes]
     after: list[list[int]] = [[] for _ in nodes]
     for v, n in enumerate(nodes):
-        for u in waits.get(v, n.preds):
+        for u in n.preds:
             after[u].append(v)
     pending: dict[int, float] = {}  # compute nodes whose inputs are known: when they may start
     running: dict[int, list[float]] = {}  # compute node -> [start, work left (ms alone)]
@@ -219,7 +197,7 @@ def _shared(
                 ready(w)
 
     def ready(v: int) -> None:
-        start = max((times[u][2] for u in waits.get(v, nodes[v].preds)), default=0.0)  # type: ignore[index]
+        start = max((times[u][2] for u in nodes[v].preds), default=0.0)  # type: ignore[index]
         if nodes[v].compute:
             pending[v] = start
         else:

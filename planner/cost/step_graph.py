@@ -18,10 +18,8 @@ optimizer step). An edge u → v says v starts after u ends:
 * a rank's tails follow its last action, one stage after another, and
   every stage's last backward: the runtime agrees on the loss and the
   gradient norm over the pipeline before any optimizer steps ([Note: the
-  step's agreement] in :mod:`planner.cost.agreement`). Stages that
-  all-reduce tied weights together (``join``) start their tails together,
-  after every member's last backward: those edges depend on the placement
-  and are added when the graph is run.
+  step's agreement] in :mod:`planner.cost.agreement`), which also covers the
+  stages that exchange tied weights' gradients in their tails.
 
 Each node's duration is a sum of *figures* of one stage or link, named as in
 :class:`~planner.plan.sections.StepInputs`: ``fwd`` / ``bwd`` (compute, which
@@ -158,10 +156,7 @@ def step_graph(schedule: str, n_stages: int, micro_batches: int, virtual: int = 
         tail += [last[g] for g in range(p) if last[g] not in tail]
     order = _topological(keys, preds)
     # Tails last: nothing but a rank's next tail follows one, so the order stays
-    # topological, and a joined tail's waits for other stages' last actions (tied
-    # weights: simulate.joined_waits, the step table's joins) always lie before it,
-    # also where its rank's actions end before the other stage's (ZB-V: stages 0 and
-    # 2·pp − 1, tied, both on rank 0).
+    # topological.
     order = [key for key in order if key[0] != "tail"] + [key for key in order if key[0] == "tail"]
     index = {key: i for i, key in enumerate(order)}
     reduce_at = set(last.values())

@@ -268,8 +268,9 @@ class StepInputs(Record):
             optimizer step (with FSDP also its gather and reduce-scatter).
         speed: ``speed[k − 1]``, the rate of each computing stage while k
             stages compute at once (1.0: as fast as alone).
-        join: groups of stages whose tails start together (they all-reduce
-            the gradients of tied weights).
+        join: groups of stages that all-reduce the gradients of tied weights
+            in their tails (the report says so; every tail waits for every
+            stage's last backward anyway: [Note: the step's agreement]).
         virtual: stages per pipeline rank (``speed`` then counts ranks).
         weight_share: per stage, the share of ``bwd_ms`` a split backward's
             weight part computes (empty: ½, the simulator's default).

@@ -104,7 +104,6 @@ def step_problem(
         fits=lambda s, i, j: prices.memory_floor(s, i, j) <= cost.capacity[s],
         virtual=lay.virtual,
     )
-    tied = tuple(frozenset(users) for _, _, users in cost.basis.tied if len(set(users)) > 1)
     return StepProblem(
         n_blocks=n,
         n_stages=lay.n_stages,
@@ -120,9 +119,6 @@ def step_problem(
         seg_bound=bound,
         seg_floor=prices.floor,
         rows=_throughput(cost, prices),
-        tied=tied,
-        waiter=graph.tails if tied else (),
-        awaited=graph.last if tied else (),
         allowed_starts=allowed_starts,
         stage_class=prices.classes,
         block_names=list(names) or None,

@@ -13,23 +13,19 @@ step's graph has a start ``t_v ≥ 0`` and an end ``e_v = t_v + Σ terms``::
                 T ≥ Σ_{a,b} x[s,a,b]·bound(s,a,b)    for every stage s
 
 At a fixed placement the smallest feasible T is the graph's longest path:
-the MILP minimises the step itself, not a formula for it. Joined stages (tied
-tensors) add, for each pair of stages g ≠ s, a ``z[g,s] ∈ [0, 1]`` forced to 1
-when both hold users of one tensor (``z ≥ h[g,u] + h[s,u'] − 1`` with
-``h[s,u] = Σ x`` over stage s's segments holding block u, and transitively
-``z[g,s] ≥ z[g,k] + z[k,s] − 1``), and ``t_waiter(s) ≥ e_awaited(g) − M·(1 − z)``:
-minimising leaves z at 0 unless a join is forced, so the rows are exact.
+the MILP minimises the step itself, not a formula for it. (Stages sharing a tied
+tensor need no rows of their own: every tail already waits for every stage's last
+backward, [Note: the step's agreement] in planner.cost.agreement.)
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import pulp
 
 from planner.solve.ilp import MIP_REL_GAP, Outcome, chosen_path
-from planner.solve.step_table import Layers, StepTable, value
+from planner.solve.step_table import Layers, StepTable
 
 __all__ = ["build_step_ilp", "chosen", "milp_bound"]
 
@@ -93,12 +89,11 @@ def build_step_ilp(
         cap = p.capacity[group[0]]  # in units of it: bytes are 1e10, binaries 1
         terms = [(v, t.mem(s, a, b) / cap) for s in group for a, b, v in by_stage[s]]
         prob += pulp.LpAffineExpression(terms) <= 1.0, f"device_{k}"
-    z = _joins(prob, t, layers, x, starts, ends)
     if ceiling is not None:
         prob += pulp.LpAffineExpression([(T, 1.0)]) <= ceiling, "ceiling"
     prob.setObjective(pulp.LpAffineExpression([(T, 1.0)]))
     if start is not None:
-        _initial(t, start, x, F, C, starts, T, z)
+        _initial(t, start, x, F, C, starts, T)
     return prob, x
 
 
@@ -121,65 +116,6 @@ def _flow(prob: pulp.LpProblem, layers: Layers, x: _X, K: int) -> None:
         prob += pulp.LpAffineExpression(flow) == (1 if s == 0 else 0), f"flow_{s}_{a}"
 
 
-def _joins(
-    prob: pulp.LpProblem,
-    t: StepTable,
-    layers: Layers,
-    x: _X,
-    starts: list[pulp.LpVariable | None],
-    ends: list[pulp.LpAffineExpression],
-) -> dict[tuple[int, int], pulp.LpVariable]:
-    """The join rows of [Note: the step MILP]; the z variables by stage pair."""
-    p, S = t.p, t.S
-    if not p.waiter or not p.tied or S == 1:
-        return {}
-    new = getattr(prob, "add_variable", pulp.LpVariable)
-    holds: dict[tuple[int, int], list[pulp.LpVariable]] = {}  # (stage, block) -> segments
-    users = sorted({u for tied in p.tied for u in tied})
-    for (s, a, b), v in x.items():
-        lo, hi = t.pos[a], t.pos[b]
-        for u in users:
-            if lo <= u < hi:
-                holds.setdefault((s, u), []).append(v)
-    z = {
-        (g, s): new(f"z_{g}_{s}", lowBound=0, upBound=1)
-        for g, s in itertools.combinations(range(S), 2)
-    }
-    for k, tied in enumerate(p.tied):
-        for u1, u2 in itertools.permutations(sorted(tied), 2):
-            for (g, s), var in z.items():
-                h1, h2 = holds.get((g, u1)), holds.get((s, u2))
-                if h1 and h2:
-                    terms = [(var, 1.0)] + [(v, -1.0) for v in h1 + h2]
-                    prob += pulp.LpAffineExpression(terms) >= -1, f"join_{k}_{u1}_{u2}_{g}_{s}"
-    for g, k, s in itertools.permutations(range(S), 3):
-        a, b, c = z[min(g, k), max(g, k)], z[min(k, s), max(k, s)], z[min(g, s), max(g, s)]
-        if g < s:
-            prob += c - a - b >= -1, f"chain_{g}_{k}_{s}"
-    M = _big_m(t, layers)
-    for (g, s), var in z.items():
-        for w, a in ((s, g), (g, s)):
-            sv = starts[p.waiter[w]]
-            if sv is None:
-                raise ValueError(f"the waiter node of stage {w} must wait for something")
-            prob += sv - ends[p.awaited[a]] - M * var >= -M, f"wait_{w}_{a}"
-    return z
-
-
-def _big_m(t: StepTable, layers: Layers) -> float:
-    """An upper bound on any node's end: every node at its largest duration, in a row."""
-    segs = [[(a, b) for a, row in layer.items() for b in row] for layer in layers]
-    top = [
-        [max(col) for col in zip(*(t.fig(s, a, b) for a, b in segs[s]), strict=True)]
-        for s in range(t.S)
-    ]
-    cuts = [
-        [max(col) for col in zip(*(t.cut(s, b) for _, b in segs[s]), strict=True)]
-        for s in range(t.S - 1)
-    ]
-    return 1.0 + sum(value(n.seg, top) + value(n.cut, cuts) for n in t.p.nodes)
-
-
 def _initial(
     t: StepTable,
     start: Sequence[int],
@@ -188,7 +124,6 @@ def _initial(
     C: dict[tuple[int, int], pulp.LpVariable],
     starts: list[pulp.LpVariable | None],
     T: pulp.LpVariable,
-    z: dict[tuple[int, int], pulp.LpVariable],
 ) -> None:
     """Every variable's value at the placement ``start`` (index form): a feasible start."""
     S = t.S
@@ -205,9 +140,6 @@ def _initial(
         if var is not None:
             var.setInitialValue(begin[v])
     T.setInitialValue(step)
-    joined = {frozenset((g, s)) for grp in t.joined(start) for g in grp for s in grp if g != s}
-    for (g, s), var in z.items():
-        var.setInitialValue(1.0 if frozenset((g, s)) in joined else 0.0)
 
 
 def chosen(t: StepTable, x: _X) -> list[int] | None:

@@ -103,11 +103,6 @@ class StepProblem:
             non-decreasing in j: a stage's runs from one start are tried only
             while it fits the stage's capacity.
         rows: further lower bounds on the step, linear in the figures.
-        tied: per tied tensor, the blocks that use it; stages holding users of
-            one tensor (or, transitively, of tensors they share) are joined.
-        waiter, awaited: per stage, the node that waits for the ``awaited`` node
-            of every stage joined with it (a pipeline: each stage's tail waits
-            for the last backward of the others). Empty: no joins.
         allowed_starts: blocks where a stage may start (None: every block).
         stage_class: per stage a label; stages with equal labels have equal
             figures (memory is still asked per stage).
@@ -132,9 +127,6 @@ class StepProblem:
     seg_floor: SegFn | None = None
     seg_memory_floor: SegFn | None = None
     rows: Sequence[Row] = ()
-    tied: Sequence[frozenset[int]] = ()
-    waiter: Sequence[int] = ()
-    awaited: Sequence[int] = ()
     allowed_starts: frozenset[int] | None = None
     stage_class: Sequence[int] | None = None
     block_names: Sequence[str] | None = None
@@ -154,10 +146,6 @@ class StepProblem:
                 raise ValueError(f"node {v} waits for {node.preds}: nodes must come in order")
         if not self.ends or any(not 0 <= v < len(self.nodes) for v in self.ends):
             raise ValueError(f"ends must name nodes of the graph (got {list(self.ends)})")
-        if len(self.waiter) != len(self.awaited) or (
-            self.waiter and len(self.waiter) != self.n_stages
-        ):
-            raise ValueError("waiter and awaited need one node per stage each (or none)")
         if self.stage_class is not None and len(self.stage_class) != self.n_stages:
             raise ValueError(f"stage_class needs {self.n_stages} labels")
         if self.block_names is not None and len(self.block_names) != self.n_blocks:

@@ -10,7 +10,6 @@ a layered DAG from (0, 0) to (S, K), one path per placement.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 
 from planner.solve.problem import (
@@ -287,41 +286,16 @@ class StepTable:
 
     # ----------------------------------------------------------------- the graph
 
-    def joined(self, idx: Sequence[int]) -> list[list[int]]:
-        """Groups of stages joined by tied tensors under the placement (≥ 2 stages each)."""
-        starts = [self.pos[a] for a in idx[:-1]]
-        parent = list(range(self.S))
-
-        def root(s: int) -> int:
-            while parent[s] != s:
-                parent[s] = parent[parent[s]]
-                s = parent[s]
-            return s
-
-        for users in self.p.tied:
-            stages = sorted({bisect_right(starts, u) - 1 for u in users})
-            for s in stages[1:]:
-                parent[root(s)] = root(stages[0])
-        groups: dict[int, list[int]] = {}
-        for s in range(self.S):
-            groups.setdefault(root(s), []).append(s)
-        return [g for g in groups.values() if len(g) > 1]
-
     def graph_times(self, idx: Sequence[int]) -> tuple[float, list[float], list[float]]:
         """(the graph's longest path and rows, each node's start, each node's end)."""
         S, p = self.S, self.p
         figs = [self.fig(s, idx[s], idx[s + 1]) for s in range(S)]
         cuts = [self.cut(s, idx[s + 1]) for s in range(S - 1)]
-        extra: dict[int, list[int]] = {}
-        if p.waiter:
-            for group in self.joined(idx):
-                for s in group:
-                    extra.setdefault(p.waiter[s], []).extend(p.awaited[g] for g in group)
         starts: list[float] = []
         ends: list[float] = []
-        for v, node in enumerate(p.nodes):
+        for node in p.nodes:
             t = 0.0
-            for u in (*node.preds, *extra.get(v, ())):
+            for u in node.preds:
                 t = max(t, ends[u])
             starts.append(t)
             ends.append(t + value(node.seg, figs) + value(node.cut, cuts))

@@ -284,8 +284,6 @@ def test_problems_are_validated() -> None:
         dataclasses.replace(p, ends=[len(p.nodes)])
     with pytest.raises(ValueError, match="capacity"):
         dataclasses.replace(p, capacity=[1.0])
-    with pytest.raises(ValueError, match="waiter and awaited"):
-        dataclasses.replace(p, waiter=[0], awaited=[])
 
 
 def test_a_slow_machine_solves_bounded_problems_the_same_way(
