@@ -32,6 +32,7 @@ from torch import nn
 from planner.capture.liveness import (
     Live,
     crossing,
+    float_bytes,
     liveness,
     strided_bytes,
     tensor_bytes,
@@ -77,6 +78,8 @@ class Block:
         crossing: those tensors, described: "name: dtype[shape]" as traced.
         copy_bytes: the part of ``boundary_bytes`` in tensors that are not
             contiguous: a stage sending them makes a dense copy first.
+        grad_bytes: the part of ``boundary_bytes`` in floating-point tensors, whose
+            gradients come back (integer ids and masks have none).
         output_bytes: bytes of ``outputs``.
         weight: the work estimate the granularity rule used.
     """
@@ -91,6 +94,7 @@ class Block:
     boundary_bytes: int = 0
     crossing: list[str] = field(default_factory=list)
     copy_bytes: int = 0
+    grad_bytes: int = 0
     output_bytes: int = 0
     weight: float = 0.0
 
@@ -337,6 +341,7 @@ def _make_blocks(
             params=params,
             boundary_bytes=sum(tensor_bytes(cap, n) for n in crossing(live, p)) if k else 0,
             copy_bytes=sum(strided_bytes(cap, n) for n in crossing(live, p)) if k else 0,
+            grad_bytes=sum(float_bytes(cap, n) for n in crossing(live, p)) if k else 0,
             crossing=[_described(cap, n) for n in crossing(live, p)] if k else [],
             output_bytes=sum(tensor_bytes(cap, n) for n in outputs),
             weight=sum(weights[p:q]),

@@ -12,7 +12,15 @@ import torch.fx
 
 from planner.capture.trace import Captured, TensorInfo
 
-__all__ = ["Live", "crossing", "liveness", "strided_bytes", "tensor_bytes", "unsendable_crossing"]
+__all__ = [
+    "Live",
+    "crossing",
+    "float_bytes",
+    "liveness",
+    "strided_bytes",
+    "tensor_bytes",
+    "unsendable_crossing",
+]
 
 
 @dataclass
@@ -71,6 +79,15 @@ def strided_bytes(cap: Captured, node: torch.fx.Node) -> int:
     """Bytes of the tensor ``node`` produces if it is not contiguous (a send copies it), else 0."""
     info = cap.values.get(node)
     return info.nbytes if isinstance(info, TensorInfo) and not info.contiguous else 0
+
+
+def float_bytes(cap: Captured, node: torch.fx.Node) -> int:
+    """Bytes of the tensor ``node`` produces if it is of a floating dtype (it can carry a
+    gradient), else 0."""
+    info = cap.values.get(node)
+    if not isinstance(info, TensorInfo):
+        return 0
+    return info.nbytes if info.dtype.is_floating_point or info.dtype.is_complex else 0
 
 
 def tensor_bytes(cap: Captured, node: torch.fx.Node) -> int:

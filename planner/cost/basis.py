@@ -158,6 +158,10 @@ class BlockTable:
         self.act = [0.0, *accumulate(float(x.activation_bytes) * act_scale for x in b)]
         self.boundary = [float(x.boundary_bytes) for x in b]
         self.copied = [float(x.boundary_copy_bytes) for x in b]
+        self.grad_boundary = [  # older profiles: every boundary tensor's gradient
+            float(x.boundary_bytes if x.boundary_grad_bytes is None else x.boundary_grad_bytes)
+            for x in b
+        ]
         self.output = [float(x.output_bytes) for x in b]
         self.loss_fwd = prof.loss_fwd_ms
         self.loss_bwd = prof.loss_bwd_ms

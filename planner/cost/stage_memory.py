@@ -111,14 +111,18 @@ class StageMemoryModel:
         log-softmax, MSE its difference: about the output's size). Receive
         buffers: torch's pipelining keeps one input buffer per micro-batch on
         every stage after the first, and one output-gradient buffer per
-        micro-batch on every stage before the last (the first stage holds the
-        replica's batch instead); the batch besides: :meth:`_batch`. Backward
-        moments add a block's output and input gradients (the largest pair) and,
-        after the first stage, the last input gradient still being sent; GPipe
-        waits for its sends after the last backward, which so holds every earlier
-        micro-batch's (a 1 KiB last stage measured all four of m 4). With
-        recompute, micro-batches in flight keep only their inputs; the one run
-        backward is recomputed first.
+        micro-batch on every stage before the last, for its floating-point
+        tensors only (integer ids and masks have no gradient: BERT's first
+        stage, the embeddings' index work alone, was priced 16 KiB against 7.5
+        measured with them counted); the first stage holds the replica's batch
+        instead; the batch besides: :meth:`_batch`. Backward moments add a
+        block's output and input gradients (the largest pair) and, after the
+        first stage, the last input gradient still being sent; GPipe waits for
+        its sends after the last backward, which so holds every earlier
+        micro-batch's (a 1 KiB last stage measured all four of m 4), and for its
+        forward sends after the last forward: the dense copies of a strided
+        output, one per micro-batch. With recompute, micro-batches in flight
+        keep only their inputs; the one run backward is recomputed first.
         """
         b = self.b
         held = self._held(s, i, j)
@@ -145,7 +149,8 @@ class StageMemoryModel:
         m, n = b.layout.micro_batches, b.layout.in_flight(s)
         stage_input = tab.boundary[i] if i > 0 else tab.input_bytes
         stage_output = tab.output[j - 1] if last else tab.boundary[j]
-        recv = m * (stage_input + (0.0 if last else stage_output)) * scale + self._batch(s, i, j)
+        output_grads = 0.0 if last else tab.grad_boundary[j]  # received, per micro-batch
+        recv = m * (stage_input + output_grads) * scale + self._batch(s, i, j)
         acts = tab.act[j] - tab.act[i]
         loss = 2 * stage_output * scale if last else 0.0  # the output, and what the loss saves
         saved = stage_output * scale if last else 0.0  # what the loss saves: freed by its backward
@@ -154,7 +159,7 @@ class StageMemoryModel:
         # In a block's backward: the gradients of its output and of its input (none for
         # the model's inputs: no batch tensor requires one); and the stage input's
         # gradient of the previous micro-batch, held until its send ends.
-        input_grad = stage_input * scale if i > 0 else 0.0
+        input_grad = tab.grad_boundary[i] * scale if i > 0 else 0.0
         first_pair = tab.output[i] * scale + input_grad
         pair = max(first_pair, tab.grad_pair(i + 1, j)[0]) if j > i + 1 else first_pair
         grad_tmp = pair + input_grad
@@ -164,6 +169,9 @@ class StageMemoryModel:
         first_acts = tab.act[k + 1] - tab.act[i]
         first = recv + (n - 1) * per_mb + first_acts + loss - saved + grad_tmp
         moments = [(first_grads, first, "bwd")]
+        if not last:  # the forwards' end: GPipe still holds every dense copy it sent
+            sent = (m if b.layout.schedule == "gpipe" else 1) * tab.copied[j] * scale
+            moments.append((0.0, recv + n * per_mb + sent, "bwd"))
         out_grads = 2 * stage_output * scale
         if last:  # the loss's backward opens it: no gradients yet, two output-sized ones
             moments.append((0.0, recv + (n - 1) * per_mb + acts + loss + out_grads, "bwd"))

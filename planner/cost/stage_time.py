@@ -218,14 +218,13 @@ class StageTime:
 
     def cut(self, s: int, j: int) -> tuple[float, float]:
         """(forward, backward) transfer time per micro-batch on link s → s+1 at block j."""
-        b = self.b
-        nbytes = b.table(s).boundary[j] * b.act_scale
-        copied = b.table(s).copied[j] * b.act_scale
-        fwd = bwd = 0.0
+        b, tab = self.b, self.b.table(s)  # gradients come back for floating tensors only
+        nbytes, grads = tab.boundary[j] * b.act_scale, tab.grad_boundary[j] * b.act_scale
+        copied, fwd, bwd = tab.copied[j] * b.act_scale, 0.0, 0.0
         for src, dst in self._link_pairs(s):
             link = b.cluster.p2p_time(src, dst, nbytes)
             fwd = max(fwd, link + self._dense_copy_s(src, copied))
-            bwd = max(bwd, link + self._dense_copy_s(dst, copied))
+            bwd = max(bwd, b.cluster.p2p_time(src, dst, grads) + self._dense_copy_s(dst, copied))
         extra = self.calibration.p2p_extra_ms  # one message each way
         return self._wire_s(fwd, 1) * 1e3 + extra, self._wire_s(bwd, 1) * 1e3 + extra
 

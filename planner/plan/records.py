@@ -66,6 +66,8 @@ class BlockCost(Record):
         boundary_copy_bytes: the part of ``boundary_bytes`` in strided (not
             contiguous) tensors: the sending stage copies them dense first, and
             the receiving one their gradients (0 in older profiles).
+        boundary_grad_bytes: the part of ``boundary_bytes`` in floating-point
+            tensors, whose gradients come back (None in older profiles: all of it).
         fwd_flops: forward FLOPs (``torch.utils.flop_counter``'s count).
         bwd_flops: backward FLOPs.
         fwd_bytes_moved: bytes read and written by the forward's operators (the
@@ -85,6 +87,7 @@ class BlockCost(Record):
     boundary_bytes: int
     crossing: tuple[str, ...] = ()
     boundary_copy_bytes: int = 0
+    boundary_grad_bytes: int | None = None
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     fwd_bytes_moved: float = 0.0

@@ -65,8 +65,15 @@ def saved_bytes(
     A block's own saved storages, plus its outputs that later blocks save (and
     it did not): see [Note: saved bytes, each tensor once] in planner.profile.runner.
     Model inputs saved by a block are charged to no block: they are the batch,
-    which the caller holds anyway.
+    which the caller holds anyway; nor are views of them, of weights or of buffers
+    that a block makes (BERT's position ids, a slice of a buffer: 768 bytes a
+    micro-batch were charged to its first block).
     """
+    held = {  # storages that exist whatever the blocks save
+        storage_key(v)
+        for n, v in values.items()
+        if n.op in ("placeholder", "get_attr") and isinstance(v, torch.Tensor)
+    }
     producer: dict[torch.fx.Node, int] = {}
     for block in chain.blocks:
         for node in block.nodes:
@@ -84,7 +91,7 @@ def saved_bytes(
             if node in src.outputs and src.outputs.index(node) in runners[p].saved_outputs:
                 continue  # the producer saved it itself: already in its figure
             key = storage_key(value)  # not data_ptr(): it is 0 for every meta tensor
-            if key not in charged:
+            if key not in charged and key not in held:
                 charged.add(key)
                 out[p] += value.untyped_storage().nbytes()
     return out

@@ -57,7 +57,7 @@ __all__ = ["profile_chain", "profile_model"]
 
 log = logging.getLogger(__name__)
 
-_SEMANTICS = "fingerprint, saved-bytes-by-producer, generated-code forward, split check, targets"
+_SEMANTICS = "fingerprint, saved-bytes-by-producer, generated-code forward, split check, grads"
 """Part of the cache key: bump it when a figure's meaning changes (old entries then miss)."""
 
 
@@ -316,6 +316,7 @@ def _block_costs(
             boundary_bytes=int(block.boundary_bytes * scale),
             crossing=tuple(block.crossing),
             boundary_copy_bytes=int(block.copy_bytes * scale),
+            boundary_grad_bytes=int(block.grad_bytes * scale),
             fwd_flops=times.fwd[k].flops,
             bwd_flops=times.bwd[k].flops,
             fwd_bytes_moved=times.fwd[k].bytes_moved,

@@ -135,6 +135,9 @@ def _scaled_block(b: BlockCost, ratio: float, fwd_ms: float, bwd_ms: float) -> B
         output_bytes=int(b.output_bytes * ratio),
         boundary_bytes=int(b.boundary_bytes * ratio),
         boundary_copy_bytes=int(b.boundary_copy_bytes * ratio),
+        boundary_grad_bytes=None
+        if b.boundary_grad_bytes is None
+        else int(b.boundary_grad_bytes * ratio),
         fwd_flops=b.fwd_flops * ratio,
         bwd_flops=b.bwd_flops * ratio,
         fwd_bytes_moved=b.fwd_bytes_moved * ratio,

@@ -4,6 +4,8 @@ gradients GPipe keeps until its backward sends end ([Note: the batch a process h
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from models import cpu_cluster, usable_cores
 
 from planner.cost import CostModel, Layout
@@ -87,3 +89,23 @@ def test_gpipe_holds_every_input_gradient_it_sent_until_the_last_backward_ends()
     # m 2: the last backward is the second, priced already
     two = _model("h100", 2).memory(1, 1, 2)
     assert two.activations == 16 * MB + 2 * MB - MB + 4 * MB + 9 * MB + 8 * MB
+
+
+def test_integer_boundary_tensors_carry_no_gradient_back() -> None:
+    """Ids and masks crossing a split point: the receiving stage's input buffers hold them,
+    but no gradient buffer, no input gradient and no backward transfer is theirs."""
+
+    def model(grads: int | None) -> CostModel:
+        cm = _model("h100", 4)
+        blocks = cm.basis.profile.blocks
+        prof = replace(
+            cm.basis.profile, blocks=(blocks[0], replace(blocks[1], boundary_grad_bytes=grads))
+        )
+        return CostModel({"h100": prof}, cm.basis.cluster, cm.basis.training, cm.layout)
+
+    every, none = model(None), model(0)  # None: an older profile, every tensor's gradient
+    # stage 0 receives no gradient for its 8 MiB output, in each of the 4 micro-batches
+    assert every.memory(0, 0, 1).total - none.memory(0, 0, 1).total == 4 * 8 * MB
+    assert none.memory(1, 1, 2).total < every.memory(1, 1, 2).total  # nor makes stage 1 one
+    fwd, bwd = none.time.cut(0, 1)
+    assert bwd < fwd and every.time.cut(0, 1) == (fwd, fwd)

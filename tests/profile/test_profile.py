@@ -209,3 +209,43 @@ def test_blocks_that_write_into_their_input_are_profiled_without_changing_it() -
     names = [b.name for b in prof.blocks]
     assert "act" in names and "c" in names  # relu_ and += open blocks
     assert all(b.fwd_ms > 0 and b.bwd_ms > 0 for b in prof.blocks)
+
+
+class _Positions(nn.Module):
+    """Block 0 slices a buffer of position ids (a view); block 1 embeds them, saving them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pos", torch.arange(16).unsqueeze(0))
+        self.inp = nn.Linear(8, 8)
+        self.emb = nn.Embedding(16, 8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = self.pos[:, : x.shape[1]]
+        h = self.inp(x)
+        return self.out(h + self.emb(pos))
+
+
+def test_views_of_buffers_are_no_activations_and_integer_tensors_carry_no_gradient() -> None:
+    """The embedding saves its indices, a view of a buffer the model holds anyway: charged
+    to no block (as the batch is not). They cross the split point before ``emb`` with the
+    linear layer's output, but only that one's gradient comes back."""
+    model = _Positions()
+    x = torch.randn(2, 12, 8)
+    prof = profile_model(model, (x,), options=FAST)
+    skip = {t.untyped_storage().data_ptr() for t in [x, *model.parameters(), *model.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    assert sum(b.activation_bytes for b in prof.blocks) == sum(saved.values())
+    emb = next(b for b in prof.blocks if b.name == "emb")
+    assert any("int64" in c for c in emb.crossing)  # the position ids cross here
+    assert emb.boundary_grad_bytes == 2 * 12 * 8 * 4  # h's alone: [2, 12, 8] fp32
+    assert emb.boundary_bytes == emb.boundary_grad_bytes + 12 * 8  # and pos: [1, 12] int64
