@@ -141,14 +141,16 @@ def _adam(params: Any) -> torch.optim.Optimizer:
 
 
 def _build(example: str, plan: Any) -> tuple[Any, Any]:
-    """(ParallelModel, batch) of ``plan`` for the example; the full model is dropped."""
+    """(ParallelModel, batch) of ``plan`` for the example; the full model is dropped. The
+    batch is this replica's, as ``planner run``'s feed hands it (runtime.data)."""
     from planner.plan.modelfile import load_model_file
+    from runtime.data import Feed, replica_of
     from runtime.engine import ParallelModel
 
     mf = load_model_file(example_path(example))
     torch.manual_seed(0)  # the same weights on every rank
     model = mf.build()
-    batch = mf.sample(plan.global_batch)
+    batch = Feed.of(mf, plan, replica=replica_of(plan, dist.get_rank()), seed=0).batch(0)
     pm = ParallelModel.from_plan(
         model, plan, loss_fn=mf.loss, optimizer=_adam, sample=(batch.args, batch.kwargs)
     )

@@ -3,8 +3,9 @@ cluster with a chosen number of usable cores."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -17,19 +18,44 @@ from planner.devices.build import assemble
 from planner.devices.catalogue import Device
 from planner.options import PlanOptions, ProfileOptions, SearchOptions, Training
 from planner.plan import Plan
+from planner.plan.records import BlockCost, ModelProfile
 from planner.planning import plan_model
 
 __all__ = [
     "Net",
     "Tower",
     "assert_same_state",
+    "block_cost",
     "chain_profiles",
     "cpu_cluster",
+    "model_profile",
     "model_state",
     "tower_loss",
     "tower_plan",
     "usable_cores",
 ]
+
+
+MB = 2**20
+
+
+def block_cost(k: int, **fields: Any) -> BlockCost:
+    """Block ``k`` of a test chain, ``b{k}`` (one module): 1 ms forward, 2 ms backward, and
+    1 MiB each of parameters, saved activations, output and (after block 0) boundary, but
+    for the ``fields`` given."""
+    base: dict[str, Any] = {"name": f"b{k}", "modules": (f"b{k}",), "fwd_ms": 1.0}
+    base |= {"bwd_ms": 2.0, "param_bytes": MB, "activation_bytes": MB, "output_bytes": MB}
+    return BlockCost(index=k, **base | {"boundary_bytes": 0 if k == 0 else MB} | fields)
+
+
+def model_profile(blocks: Sequence[BlockCost], device: str = "cpu", **fields: Any) -> ModelProfile:
+    """A test profile of ``blocks`` at micro-batch 4, fp32: measured at 1 thread on the
+    local CPU (``device`` "cpu"), else analytic for that catalogue device; but for the
+    ``fields`` given."""
+    cpu = device == "cpu"
+    base: dict[str, Any] = {"fingerprint": "f", "device": device, "batch_size": 4}
+    base |= {"source": "measured" if cpu else "analytic", "threads": 1 if cpu else 0}
+    return ModelProfile(blocks=tuple(blocks), dtype="float32", capture="export", **base | fields)
 
 
 def cpu_cluster(n: int, threads: int = 1) -> Cluster:
@@ -146,34 +172,26 @@ def chain_profiles(n_blocks: int = 12, param_bytes: int = 64 * 2**20, heavy_ends
     """A search's ``profile_for(device, b)`` over a synthetic chain: ``n_blocks`` blocks of
     ``param_bytes`` parameters, 0.5 ms forward and 1 ms backward per sample, the first and
     last 4× that when ``heavy_ends``."""
-    from planner.plan.records import BlockCost, ModelProfile
 
     def profile_for(device: str, b: int) -> ModelProfile:
         blocks = []
         for k in range(n_blocks):
             scale = 4.0 if heavy_ends and k in (0, n_blocks - 1) else 1.0
             blocks.append(
-                BlockCost(
-                    index=k,
+                block_cost(
+                    k,
                     name=f"layer{k}",
                     modules=(f"layer{k}",),
                     fwd_ms=0.5 * scale * b,
                     bwd_ms=1.0 * scale * b,
                     param_bytes=param_bytes,
-                    activation_bytes=16 * 2**20 * b,
-                    output_bytes=2**20 * b,
-                    boundary_bytes=0 if k == 0 else 2**20 * b,
+                    activation_bytes=16 * MB * b,
+                    output_bytes=MB * b,
+                    boundary_bytes=0 if k == 0 else MB * b,
                 )
             )
-        return ModelProfile(
-            fingerprint="x",
-            source="analytic",
-            device=device,
-            batch_size=b,
-            dtype="float32",
-            threads=0,
-            capture="export",
-            blocks=tuple(blocks),
+        return model_profile(
+            blocks, device, fingerprint="x", source="analytic", batch_size=b, threads=0
         )
 
     return profile_for

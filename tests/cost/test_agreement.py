@@ -5,45 +5,20 @@ backward has ended (the runtime agrees on the loss and the norm over the pipelin
 from __future__ import annotations
 
 import pytest
-from models import cpu_cluster, usable_cores
+from models import block_cost, cpu_cluster, model_profile, usable_cores
 
 from planner.cost import CostModel, Layout
 from planner.cost.agreement import AGREE_FIXED_MS, NORM_OPS, NORM_PASSES
 from planner.options import Training
-from planner.plan.records import BlockCost, ModelProfile
+from planner.plan.records import ModelProfile
 
 MB = 2**20
 
 
 def _profile() -> ModelProfile:
     """Four blocks; block 0 holds no parameter, the others 4 MiB each (one module call)."""
-    blocks = tuple(
-        BlockCost(
-            index=k,
-            name=f"b{k}",
-            modules=(f"b{k}",),
-            fwd_ms=1.0,
-            bwd_ms=2.0,
-            param_bytes=4 * MB if k else 0,  # block 0 holds no parameter
-            activation_bytes=MB,
-            output_bytes=MB,
-            boundary_bytes=0 if k == 0 else MB,
-        )
-        for k in range(4)
-    )
-    return ModelProfile(
-        fingerprint="f",
-        source="measured",
-        device="cpu",
-        batch_size=4,
-        dtype="float32",
-        threads=1,
-        capture="export",
-        blocks=blocks,
-        input_bytes=MB,
-        loss_fwd_ms=0.5,
-        loss_bwd_ms=0.25,
-    )
+    blocks = [block_cost(k, param_bytes=4 * MB if k else 0) for k in range(4)]
+    return model_profile(blocks, input_bytes=MB, loss_fwd_ms=0.5, loss_bwd_ms=0.25)
 
 
 def _cpu(pp: int, dp: int = 1, cores: int = 8) -> CostModel:

@@ -7,45 +7,37 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
-from models import cpu_cluster, usable_cores
+from models import block_cost, cpu_cluster, model_profile, usable_cores
 
 from planner.cost import CostModel, Layout, cpu_speeds, state_bytes
 from planner.cost.step_time import allreduce_floor
 from planner.devices.build import from_gpus
 from planner.options import Training
-from planner.plan.records import BlockCost, ModelProfile, TiedSet
+from planner.plan.records import ModelProfile, TiedSet
 from planner.search.partition import partition_problem
 
 MB = 2**20
 
 
 def _profile(n: int = 4, batch: int = 4, tied: bool = False) -> ModelProfile:
-    blocks = tuple(
-        BlockCost(
-            index=k,
-            name=f"b{k}",
-            modules=(f"b{k}",),
+    blocks = [
+        block_cost(
+            k,
             fwd_ms=1.0 + k,
             bwd_ms=2.0 * (1.0 + k),
             param_bytes=4 * MB,  # 1 Mi fp32 parameters
             activation_bytes=8 * MB,
-            output_bytes=MB,
             boundary_bytes=0 if k == 0 else 2 * MB,
         )
         for k in range(n)
-    )
+    ]
     ties = (
         (TiedSet(names=("b0.w", f"b{n - 1}.w"), blocks=(0, n - 1), nbytes=4 * MB),) if tied else ()
     )
-    return ModelProfile(
-        fingerprint="f",
-        source="analytic",
-        device="h100",
+    return model_profile(
+        blocks,
+        "h100",
         batch_size=batch,
-        dtype="float32",
-        threads=0,
-        capture="export",
-        blocks=blocks,
         tied=ties,
         input_bytes=MB // 2,
         loss_fwd_ms=0.5,

@@ -9,13 +9,13 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from models import cpu_cluster, usable_cores
+from models import block_cost, cpu_cluster, model_profile, usable_cores
 
 from planner.cost import CostModel, Layout
 from planner.devices import Cluster
 from planner.devices.cpu_speed import largest_cache
 from planner.options import Training
-from planner.plan.records import BlockCost, ModelProfile
+from planner.plan.records import ModelProfile
 
 MB = 2**20
 CACHE = 32 * MB
@@ -24,34 +24,11 @@ MEMORY_BW, CACHE_BW, OP_S = 20e9, 100e9, 1e-6
 
 def _profile(tensors: list[tuple[int, ...]]) -> ModelProfile:
     """One block per entry, holding parameter tensors of these fp32 byte sizes."""
-    blocks = tuple(
-        BlockCost(
-            index=k,
-            name=f"b{k}",
-            modules=(f"b{k}",),
-            fwd_ms=1.0,
-            bwd_ms=2.0,
-            param_bytes=sum(sizes),
-            param_tensors=sizes,
-            activation_bytes=MB,
-            output_bytes=MB,
-            boundary_bytes=0 if k == 0 else MB,
-        )
+    blocks = [
+        block_cost(k, param_bytes=sum(sizes), param_tensors=sizes)
         for k, sizes in enumerate(tensors)
-    )
-    return ModelProfile(
-        fingerprint="f",
-        source="measured",
-        device="cpu",
-        batch_size=4,
-        dtype="float32",
-        threads=1,
-        capture="export",
-        blocks=blocks,
-        input_bytes=MB,
-        loss_fwd_ms=0.5,
-        loss_bwd_ms=0.25,
-    )
+    ]
+    return model_profile(blocks, input_bytes=MB, loss_fwd_ms=0.5, loss_bwd_ms=0.25)
 
 
 def _cluster(n: int, threads: int, cache: int = CACHE) -> Cluster:

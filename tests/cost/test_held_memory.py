@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from models import cpu_cluster, usable_cores
+from models import block_cost, cpu_cluster, model_profile, usable_cores
 
 from planner.cost import CostModel, Layout
 from planner.devices.build import from_gpus
 from planner.options import Training
-from planner.plan.records import BlockCost, ModelProfile
+from planner.plan.records import ModelProfile
 
 MB = 2**20
 
@@ -19,32 +19,9 @@ MB = 2**20
 def _profile(device: str, *, inputs: int = 0, targets: int = 0) -> ModelProfile:
     """Two blocks of 1 Mi fp32 parameters; block 1 saves nothing, takes 8 MiB from block 0
     and makes 1 MiB of output (the model's)."""
-    blocks = tuple(
-        BlockCost(
-            index=k,
-            name=f"b{k}",
-            modules=(f"b{k}",),
-            fwd_ms=1.0,
-            bwd_ms=2.0,
-            param_bytes=4 * MB,
-            activation_bytes=8 * MB if k == 0 else 0,
-            output_bytes=8 * MB if k == 0 else MB,
-            boundary_bytes=0 if k == 0 else 8 * MB,
-        )
-        for k in range(2)
-    )
-    return ModelProfile(
-        fingerprint="f",
-        source="analytic" if device == "h100" else "measured",
-        device=device,
-        batch_size=4,
-        dtype="float32",
-        threads=0 if device == "h100" else 1,
-        capture="export",
-        blocks=blocks,
-        input_bytes=inputs,
-        target_bytes=targets,
-    )
+    block_0 = block_cost(0, param_bytes=4 * MB, activation_bytes=8 * MB, output_bytes=8 * MB)
+    block_1 = block_cost(1, param_bytes=4 * MB, activation_bytes=0, boundary_bytes=8 * MB)
+    return model_profile([block_0, block_1], device, input_bytes=inputs, target_bytes=targets)
 
 
 def _model(device: str, m: int, schedule: str = "gpipe", **sizes: int) -> CostModel:

@@ -15,11 +15,12 @@ from planner.devices import from_gpus
 from planner.devices.build import assemble
 from planner.devices.cluster import Cluster
 from planner.options import SearchOptions, Training
-from planner.plan.records import BlockCost, ModelProfile
+from planner.plan.records import ModelProfile
 from planner.search import search
 from planner.search.configurations import configurations, thread_counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+from models import block_cost, model_profile
 from runs import RUN_TIMEOUT_S, planner_command, planner_run
 
 
@@ -51,29 +52,19 @@ def _profile_for(speedup: dict[int, float], threads: int, n_blocks: int = 8):
 
     def profile_for(device: str, b: int) -> ModelProfile:
         f = 1.0 / speedup[threads]
-        blocks = tuple(
-            BlockCost(
-                index=k,
-                name=f"layer{k}",
-                modules=(f"layer{k}",),
+        blocks = [
+            block_cost(
+                k,
                 fwd_ms=(1.0 + 0.3 * b) * f,
                 bwd_ms=(1.0 + 0.7 * b) * f,
-                param_bytes=2**20,
                 activation_bytes=2**20 * b,
                 output_bytes=2**20 * b,
                 boundary_bytes=0 if k == 0 else 2**20 * b,
             )
             for k in range(n_blocks)
-        )
-        return ModelProfile(
-            fingerprint="x",
-            source="measured",
-            device=device,
-            batch_size=b,
-            dtype="float32",
-            threads=threads,
-            capture="export",
-            blocks=blocks,
+        ]
+        return model_profile(
+            blocks, device, source="measured", batch_size=b, threads=threads, fingerprint="x"
         )
 
     return profile_for

@@ -13,14 +13,14 @@ import itertools
 import random
 
 import pytest
-from models import cpu_cluster, usable_cores
+from models import block_cost, cpu_cluster, model_profile, usable_cores
 
 from planner.cost import CostModel, Layout
 from planner.devices.build import from_gpus
 from planner.devices.cluster import Cluster
 from planner.devices.cluster_file import parse_cluster
 from planner.options import SearchOptions, Training
-from planner.plan.records import BlockCost, ModelProfile, TiedSet
+from planner.plan.records import ModelProfile, TiedSet
 from planner.plan.schedule import stage_ranks
 from planner.search import layouts
 from planner.search.loop import place
@@ -31,31 +31,24 @@ REL = 1e-9
 
 
 def _profile(rng: random.Random, n: int, device: str, speed: float, tied: bool) -> ModelProfile:
-    blocks = tuple(
-        BlockCost(
-            index=k,
-            name=f"b{k}",
-            modules=(f"b{k}",),
+    blocks = [
+        block_cost(
+            k,
             fwd_ms=rng.uniform(0.2, 3.0) / speed,
             bwd_ms=rng.uniform(0.4, 6.0) / speed,
             param_bytes=rng.choice([0, 1, 4, 16, 64]) * MB,
             activation_bytes=rng.choice([1, 8, 32]) * MB,
-            output_bytes=MB,
             boundary_bytes=0 if k == 0 else rng.choice([1, 2, 8, 32]) * MB,
         )
         for k in range(n)
-    )
+    ]
     users = (0, n - 1) if rng.random() < 0.5 else (rng.randrange(n - 1), n - 1)
     ties = (TiedSet(names=("a.w", "b.w"), blocks=users, nbytes=16 * MB),) if tied else ()
-    return ModelProfile(
-        fingerprint="f",
+    return model_profile(
+        blocks,
+        device,
         source="analytic",
-        device=device,
-        batch_size=4,
-        dtype="float32",
         threads=0,
-        capture="export",
-        blocks=blocks,
         tied=ties,
         input_bytes=MB,
         loss_fwd_ms=0.3 / speed,
