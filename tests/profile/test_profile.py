@@ -69,15 +69,10 @@ def test_measured_profile_figures() -> None:
     assert sum(b.fwd_flops for b in prof.blocks) == 2 * 8 * (16 * 32 + 32 * 32 + 32 * 4)
 
 
-def test_saved_bytes_count_each_tensor_once() -> None:
-    # ReLU saves its output and the next Linear saves the same tensor as its input:
-    # the backward keeps it once, so the blocks' figures sum to the model's own.
-    model = nn.Sequential(
-        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)
-    )
-    x = torch.randn(8, 16)
-    prof = profile_model(model, (x,), options=FAST)
-    skip = {t.untyped_storage().data_ptr() for t in [x, *model.parameters()]}
+def _distinct_saved(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages ``model``'s forward on ``x`` saves for the backward,
+    but the batch's, the weights' and the buffers' (they exist whatever it saves)."""
+    skip = {t.untyped_storage().data_ptr() for t in [x, *model.parameters(), *model.buffers()]}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -87,7 +82,18 @@ def test_saved_bytes_count_each_tensor_once() -> None:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x)
-    assert sum(b.activation_bytes for b in prof.blocks) == sum(saved.values())
+    return sum(saved.values())
+
+
+def test_saved_bytes_count_each_tensor_once() -> None:
+    # ReLU saves its output and the next Linear saves the same tensor as its input:
+    # the backward keeps it once, so the blocks' figures sum to the model's own.
+    model = nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)
+    )
+    x = torch.randn(8, 16)
+    prof = profile_model(model, (x,), options=FAST)
+    assert sum(b.activation_bytes for b in prof.blocks) == _distinct_saved(model, x)
     assert prof.blocks[-1].activation_bytes == 0  # its input was made (and saved) earlier
 
 
@@ -234,17 +240,7 @@ def test_views_of_buffers_are_no_activations_and_integer_tensors_carry_no_gradie
     model = _Positions()
     x = torch.randn(2, 12, 8)
     prof = profile_model(model, (x,), options=FAST)
-    skip = {t.untyped_storage().data_ptr() for t in [x, *model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    assert sum(b.activation_bytes for b in prof.blocks) == sum(saved.values())
+    assert sum(b.activation_bytes for b in prof.blocks) == _distinct_saved(model, x)
     emb = next(b for b in prof.blocks if b.name == "emb")
     assert any("int64" in c for c in emb.crossing)  # the position ids cross here
     assert emb.boundary_grad_bytes == 2 * 12 * 8 * 4  # h's alone: [2, 12, 8] fp32
