@@ -96,7 +96,8 @@ def measured(threads: int) -> CpuSpeed:
     """
     from planner import cache
 
-    k = cache.key("local-cpu-speed", 2, _cpu_model(), os.cpu_count(), threads)
+    # 3: the time per op is the fastest of its runs (2: their median; read again, not kept)
+    k = cache.key("local-cpu-speed", 3, _cpu_model(), os.cpu_count(), threads)
     hit = cache.load(k)
     if hit is not None:
         try:
