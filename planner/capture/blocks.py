@@ -331,6 +331,7 @@ def _make_blocks(
                 elif arg not in inside and arg not in inputs:
                     inputs.append(arg)
         outputs = [n for n in nodes if live.last_use.get(n, -1) >= q]
+        cross = crossing(live, p) if k else []  # block 0 starts at the model's inputs
         block = Block(
             index=k,
             name=name,
@@ -339,10 +340,10 @@ def _make_blocks(
             inputs=sorted(inputs, key=lambda n: live.define[n]),
             outputs=outputs,
             params=params,
-            boundary_bytes=sum(tensor_bytes(cap, n) for n in crossing(live, p)) if k else 0,
-            copy_bytes=sum(strided_bytes(cap, n) for n in crossing(live, p)) if k else 0,
-            grad_bytes=sum(float_bytes(cap, n) for n in crossing(live, p)) if k else 0,
-            crossing=[_described(cap, n) for n in crossing(live, p)] if k else [],
+            boundary_bytes=sum(tensor_bytes(cap, n) for n in cross),
+            copy_bytes=sum(strided_bytes(cap, n) for n in cross),
+            grad_bytes=sum(float_bytes(cap, n) for n in cross),
+            crossing=[_described(cap, n) for n in cross],
             output_bytes=sum(tensor_bytes(cap, n) for n in outputs),
             weight=sum(weights[p:q]),
         )

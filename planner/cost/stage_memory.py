@@ -65,6 +65,9 @@ class StageMemoryModel:
 
     def __init__(self, basis: CostBasis) -> None:
         self.b = basis
+        devices, ranks = basis.cluster.devices, basis.layout.ranks
+        self._host = [all(devices[r].device.kind == "cpu" for r in rs) for rs in ranks]
+        """Per stage: its devices are CPUs, whose memory the process's batch is in."""
 
     def peak(self, s: int, i: int, j: int, recompute: bool = False) -> MemoryBreakdown:
         """The peak of live tensor bytes on a device of stage s holding blocks [i, j).
@@ -170,8 +173,8 @@ class StageMemoryModel:
         first = recv + (n - 1) * per_mb + first_acts + loss - saved + grad_tmp
         moments = [(first_grads, first, "bwd")]
         if not last:  # the forwards' end: GPipe still holds every dense copy it sent
-            sent = (m if b.layout.schedule == "gpipe" else 1) * tab.copied[j] * scale
-            moments.append((0.0, recv + n * per_mb + sent, "bwd"))
+            copies = (m if b.layout.schedule == "gpipe" else 1) * tab.copied[j] * scale
+            moments.append((0.0, recv + n * per_mb + copies, "bwd"))
         out_grads = 2 * stage_output * scale
         if last:  # the loss's backward opens it: no gradients yet, two output-sized ones
             moments.append((0.0, recv + (n - 1) * per_mb + acts + loss + out_grads, "bwd"))
@@ -194,10 +197,10 @@ class StageMemoryModel:
             if b.layout.schedule == "gpipe" and m > 2 and i > 0:
                 # GPipe waits for its backward sends after the last backward: then the m - 1
                 # earlier micro-batches' input gradients are held (grad_tmp counts one).
-                sent = (m - 2) * input_grad
-                moments.append((grads, recv + loss + current - saved + grad_tmp + sent, "bwd"))
+                earlier = (m - 2) * input_grad
+                moments.append((grads, recv + loss + current - saved + grad_tmp + earlier, "bwd"))
                 if last:
-                    moments.append((grads, recv + loss + acts + out_grads + sent, "bwd"))
+                    moments.append((grads, recv + loss + acts + out_grads + earlier, "bwd"))
         temp = self._optimizer_temp(s, i, j)
         if b.fsdp:  # the whole gradients and the reduce-scatter's output; then shards only
             dp = b.layout.dp
@@ -219,8 +222,7 @@ class StageMemoryModel:
         """
         b = self.b
         tab, m, last = b.table(s), b.layout.micro_batches, j == b.n_blocks
-        host = all(b.cluster.devices[r].device.kind == "cpu" for r in b.layout.ranks[s])
-        if host:
+        if self._host[s]:
             return m * ((tab.input_bytes if i > 0 else 0.0) + tab.target_bytes)
         return m * tab.target_bytes if last else 0.0
 

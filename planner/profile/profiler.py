@@ -244,7 +244,7 @@ def profile_chain(
         capture=cap.method,
         blocks=blocks,
         tied=tied,
-        input_bytes=int(sum(t.nbytes for t in cap.flat_inputs if isinstance(t, torch.Tensor))),
+        input_bytes=_nbytes(cap.flat_inputs),
         target_bytes=_nbytes(targets),
         loss_fwd_ms=times.loss_ms[0],
         loss_bwd_ms=times.loss_ms[1],
