@@ -12,7 +12,8 @@ on local CPU processes (gloo):
 2. ``LAUNCHES`` launches of ``planner run --no-memory --measurements F``, of
    ``steps_for(predicted step)`` steps (at least ``COUNTED_S`` counted): each
    launch's step is the median over its counted steps (the slowest rank's); the
-   case's measured step is the median over the launches;
+   case's measured step is the median over the launches. The model's layouts
+   take turns, a launch each a round ([Note: launches in turn]);
 3. one more launch with memory tracked: each stage's peak (the most of its
    replicas; CPU: the peak of live tensor bytes) against the plan's.
 
@@ -122,32 +123,36 @@ def _checked(proc: subprocess.CompletedProcess, what: str) -> None:
         raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
 
 
-def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict[str, Any]:
-    """Plan one case, run it ``launches`` times plus once with memory tracked."""
+def _cases(name: str, launches: int, tmp: Path) -> dict[tuple[int, int, int], dict[str, Any]]:
+    """Plan every layout of ``CONFIGS`` for ``name``, then run them ``launches`` times in
+    turn (one launch of each, then the next round), then once more each with memory
+    tracked.
+
+    [Note: launches in turn] The machine has slow spells of minutes (a case's launches
+    spread a median 9.6 % in the run of 2026-12-07, one case's four 59–73 ms in a row).
+    A case's launches run one after another would put a spell on one case, and always
+    on the same layouts (the last of each model: pp 2 × dp 2); in turn, each round
+    meets a spell alike, so a case's median and the fit's launches (round 1 and 2) are
+    not the layouts' order's."""
+    done = {c: _planned(name, *c, tmp) for c in CONFIGS}
+    for k in range(launches + 1):
+        for case in done.values():
+            _launch(case, k, memory=k == launches, tmp=tmp)
+    return done
+
+
+def _planned(name: str, pp: int, dp: int, m: int, tmp: Path) -> dict[str, Any]:
+    """Plan one case (no launch yet)."""
     from planner.plan.files import load_plan
-    from planner.plan.measured import load_measurement
 
     path, _, batch = MODELS[name]
-    env = _env(name, tmp)
     plan_file = tmp / f"{name}-{pp}-{dp}-{m}.yaml"
     t0 = time.perf_counter()
     cmd = ["plan", str(ROOT / path), "--gpus", str(pp * dp), "--pp", str(pp), "--dp", str(dp)]
     cmd += ["--micro-batches", str(m), "--batch-size", str(batch), "--no-calibration"]
-    _checked(_planner([*cmd, "--out", str(plan_file)], env, tmp), f"planning {name}")
+    _checked(_planner([*cmd, "--out", str(plan_file)], _env(name, tmp), tmp), f"planning {name}")
     plan_s = time.perf_counter() - t0
     plan = load_plan(plan_file)
-    steps = steps_for(plan.predicted.step_ms)
-    runs = []
-    for k in range(launches + 1):
-        memory = k == launches
-        meas = tmp / f"{plan_file.stem}-{k}.json"
-        load = _load()
-        _checked(
-            _planner(_run(name, plan_file, steps, meas, memory), env, tmp),
-            f"running {plan_file.name}",
-        )
-        result = load_measurement(meas)
-        runs.append({"file": str(meas), "load": load, "memory": memory, "step_ms": result.step_ms})
     return {
         "model": name,
         "pp": pp,
@@ -155,10 +160,23 @@ def _case(name: str, pp: int, dp: int, m: int, launches: int, tmp: Path) -> dict
         "m": m,
         "plan": str(plan_file),
         "plan_s": plan_s,
-        "steps": steps,
+        "steps": steps_for(plan.predicted.step_ms),
         "predicted_ms": plan.predicted.step_ms,
-        "runs": runs,
+        "runs": [],
     }
+
+
+def _launch(case: dict[str, Any], k: int, *, memory: bool, tmp: Path) -> None:
+    """Run ``case``'s plan once (its k-th launch), its figures added to its runs."""
+    from planner.plan.measured import load_measurement
+
+    plan_file = Path(case["plan"])
+    meas = tmp / f"{plan_file.stem}-{k}.json"
+    load = _load()
+    args = _run(case["model"], plan_file, case["steps"], meas, memory)
+    _checked(_planner(args, _env(case["model"], tmp), tmp), f"running {plan_file.name}")
+    step = load_measurement(meas).step_ms
+    case["runs"].append({"file": str(meas), "load": load, "memory": memory, "step_ms": step})
 
 
 def _memory_again(case: dict[str, Any]) -> None:
@@ -326,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = ns.keep or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
         for name in names:
-            done = kept.get(name) or {c: _case(name, *c, ns.launches, Path(tmp)) for c in CONFIGS}
+            done = kept.get(name) or _cases(name, ns.launches, Path(tmp))
             with _priced_as_planned(name, Path(done[FIT]["plan"]).parent):
                 fits = _fits(done)
                 got_all = {c: _figures(done[c], fits) for c in CONFIGS}

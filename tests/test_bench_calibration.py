@@ -122,3 +122,36 @@ def test_calibration_prices_in_the_models_own_cache(
         assert os.environ["PLANNER_CACHE_DIR"] == str(own)
     finally:
         forget_measurements()
+
+
+def test_calibration_launches_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model's layouts are planned first, then launched a round at a time (each layout
+    once, then the next round), the memory launches last; each case keeps its own
+    launches in order ([Note: launches in turn])."""
+    from bench import bench_calibration as bc
+
+    ran: list[str] = []
+
+    def planner(args: list[str], env: dict[str, str], cwd: Path) -> Any:
+        if args[0] == "plan":
+            ran.append("plan " + Path(args[args.index("--out") + 1]).stem)
+        else:
+            mem = "" if "--no-memory" in args else " memory"
+            ran.append("run " + Path(args[args.index("--measurements") + 1]).stem + mem)
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    plan = type("P", (), {"predicted": type("Q", (), {"step_ms": 50.0})})
+    monkeypatch.setattr(bc, "_planner", planner)
+    monkeypatch.setattr("planner.plan.files.load_plan", lambda f: plan)
+    monkeypatch.setattr(
+        "planner.plan.measured.load_measurement", lambda f: type("M", (), {"step_ms": 9.0})
+    )
+    done = bc._cases("mlp", 2, tmp_path)
+    names = [f"mlp-{p}-{d}-{m}" for p, d, m in bc.CONFIGS]
+    assert ran == [f"plan {n}" for n in names] + [
+        f"run {n}-{k}" + (" memory" if k == 2 else "") for k in range(3) for n in names
+    ]
+    for (p, d, m), case in done.items():
+        files = [Path(r["file"]).name for r in case["runs"]]
+        assert files == [f"mlp-{p}-{d}-{m}-{k}.json" for k in range(3)]
+        assert [r["memory"] for r in case["runs"]] == [False, False, True]
