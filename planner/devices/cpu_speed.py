@@ -23,7 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DRIFT", "CpuSpeed", "forget", "largest_cache", "measured", "quick_speed"]
+__all__ = [
+    "DRIFT",
+    "CpuSpeed",
+    "forget",
+    "known",
+    "largest_cache",
+    "measured",
+    "op_time_s",
+    "quick_speed",
+]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +92,16 @@ def _cpu_model() -> str:
 def forget() -> None:
     """Drop this process's figures: the next :func:`measured` reads the cache (or measures)."""
     measured.cache_clear()
+    _SEEN.clear()
+
+
+_SEEN: dict[int, CpuSpeed] = {}
+
+
+def known(threads: int) -> CpuSpeed | None:
+    """The figures :func:`measured` gave this process at ``threads``, if it was asked (nothing
+    is measured or read here)."""
+    return _SEEN.get(threads)
 
 
 @functools.cache
@@ -111,6 +130,7 @@ def measured(threads: int) -> CpuSpeed:
             log.warning("ignoring a malformed local-CPU entry in the profile cache")
         else:
             _say_drift(kept, threads, cache.entry_path(k))
+            _SEEN[threads] = kept
             return kept
     speed = _run_cpu_benchmarks()
     cache.store(
@@ -122,6 +142,7 @@ def measured(threads: int) -> CpuSpeed:
             "cache_bandwidth": speed.cache_bandwidth,
         },
     )
+    _SEEN[threads] = speed
     return speed
 
 
@@ -161,17 +182,22 @@ def _copy_and_add(repeats: int) -> tuple[float, float]:
     """Memory bandwidth (a 64 MiB copy, bytes read + written per second: the median of
     ``repeats``) and the per-op overhead (1-element adds, seconds each: the fastest of
     ``repeats`` + 2 runs of 1000, [Note: a transient slow spell])."""
+    bandwidth = _copy_bandwidth(16 * 2**20, 1, repeats)  # 64 MiB: from memory
+    return bandwidth, op_time_s(1000, repeats + 2)
+
+
+def op_time_s(loops: int, runs: int) -> float:
+    """Seconds per 1-element add on the CPU: the fastest of ``runs`` runs of ``loops`` adds
+    (after one more, a warm-up)."""
     import torch
 
-    bandwidth = _copy_bandwidth(16 * 2**20, 1, repeats)  # 64 MiB: from memory
     one = torch.ones(1, device="cpu")
-    loops = 1000
 
     def adds() -> None:
         for _ in range(loops):
             torch.add(one, one)
 
-    return bandwidth, _time(adds, repeats + 2, min) / loops
+    return _time(adds, runs, min) / loops
 
 
 def _best(readings: list[tuple[float, float]]) -> tuple[float, float]:

@@ -124,7 +124,8 @@ class SplitCheck(Record):
             its least disturbed kept round.
         rounds: timed rounds run.
         kept: rounds kept (the quiet ones, else the least loaded half).
-        quiet: rounds in which other processes kept under 10 % of the cores busy.
+        quiet: rounds in which other processes kept under 10 % of the cores busy, and
+            no slow spell of the machine's ([Note: a slow spell in the rounds]).
         load_share: median share of the cores other processes kept busy.
         charge_ms: what a block timed alone pays and a stage does not, taken off
             every block's forward + backward ([Note: split charge]); 0 when the

@@ -206,5 +206,6 @@ def _load_note(check: SplitCheck) -> str | None:
         return None
     return (
         f"{check.quiet} of {check.rounds} timed rounds were quiet (other processes "
-        f"under {QUIET_SHARE:.0%} of the cores); the times are medians of {check.kept}"
+        f"under {QUIET_SHARE:.0%} of the cores, no slow spell); the times are medians of "
+        f"{check.kept}"
     )

@@ -32,7 +32,9 @@ __all__ = [
     "MAX_MEASURE_S",
     "MAX_REPEATS",
     "MIN_MEASURE_S",
+    "PROBE_LOOPS",
     "QUIET_SHARE",
+    "SLOW_SPELL",
     "Measured",
     "Progress",
     "RoundLoad",
@@ -46,6 +48,10 @@ MAX_REPEATS = 50
 """...or until this many timed rounds."""
 MAX_MEASURE_S = 15.0
 """On a busy machine, rounds go on for at most this long waiting for quiet ones."""
+SLOW_SPELL = 1.4
+"""A timed round is in a slow spell when a 1-element add after it took this many times
+the machine's time per op ([Note: a slow spell in the rounds])."""
+PROBE_LOOPS = 100
 
 
 def measure_blocks(
@@ -67,9 +73,22 @@ def measure_blocks(
     Each round's load is read from /proc/stat; rounds continue (up to
     MAX_MEASURE_S) until ``repeats`` were quiet, and only quiet rounds count, or,
     failing that, the least loaded half.
+
+    [Note: a slow spell in the rounds] The shared host also has spells, seconds
+    long, in which everything runs up to twice as slow and /proc/stat shows no other
+    work ([Note: a transient slow spell] in ``planner.devices.cpu_speed``): a profile
+    of MobileNetV3 at micro-batch 4 timed in one (calibration benchmark,
+    2026-12-08) read 11.9 / 26.2 ms for its blocks' forward / backward against 7.7 /
+    14.2 in the runs before, and a calibration fitted on it halved every other
+    layout's compute (−42 and −47 %). So on the local CPU each timed round starts
+    and ends with a probe (1-element adds, the fastest of three runs of
+    ``PROBE_LOOPS``), and a round whose slower probe took ``SLOW_SPELL`` times the
+    machine's time per op (the least of the planner's measured figure and every
+    probe of this profile) counts as loaded: the rounds go on for quiet ones as they
+    do on a busy machine.
     """
     rounds = _Rounds(model, cap, runners, targets, loss_fn, progress)
-    load = RoundLoad()
+    load = RoundLoad(probe=_probe(model))
     # The progress total is fixed up front: the most rounds the loop below may run. It
     # usually stops earlier (enough quiet rounds), and the phase then ends at once.
     most = options.warmup + max(MAX_REPEATS, options.repeats)
@@ -86,6 +105,8 @@ def measure_blocks(
             enough = spent >= MIN_MEASURE_S and load.quiet() >= options.repeats
             if enough or kept >= max(MAX_REPEATS, options.repeats) or spent >= MAX_MEASURE_S:
                 break
+        if keep:
+            load.round_started()
         rounds.run(r, most, keep)
         if keep:
             load.round_done()
@@ -94,7 +115,7 @@ def measure_blocks(
     if progress is not None:
         total = most * (len(runners) + 1)
         progress(rounds.phase, total, total, f"{r} rounds, {len(use)} kept")
-    return summarise(rounds.times, load.shares, _harness_overhead())
+    return summarise(rounds.times, load.effective(), _harness_overhead())
 
 
 class _Rounds:
@@ -190,16 +211,27 @@ class RoundLoad:
     ``window_s``; every round of a window gets the window's share.
     """
 
-    def __init__(self, window_s: float = 0.2) -> None:
+    def __init__(
+        self, window_s: float = 0.2, probe: tuple[Callable[[], float], float] | None = None
+    ) -> None:
         self.window_s = window_s
         self.shares: list[float] = []
         self.pending = 0
         self.cores = os.cpu_count() or 1
+        # [Note: a slow spell in the rounds]: (seconds per op now, the machine's figure)
+        self.probe = probe
+        self.probes: list[float] = []  # per round: the slower of its probes before and after
+        self.before = 0.0
 
     def start(self) -> None:
         self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_s(), time.process_time()
 
+    def round_started(self) -> None:
+        self.before = self.probe[0]() if self.probe is not None else 0.0
+
     def round_done(self) -> None:
+        if self.probe is not None:  # a spell may start or end within the round
+            self.probes.append(max(self.before, self.probe[0]()))
         self.pending += 1
         if time.perf_counter() - self.t0 >= self.window_s:
             self._close_window()
@@ -217,13 +249,39 @@ class RoundLoad:
         self.pending = 0
         self.start()
 
+    def slow(self) -> list[bool]:
+        """Per probed round, whether it was in a slow spell ([Note: a slow spell in the
+        rounds])."""
+        if self.probe is None or not self.probes:
+            return [False] * len(self.shares)
+        ref = min(self.probe[1], *self.probes)
+        return [t > SLOW_SPELL * ref for t in self.probes]
+
+    def effective(self) -> list[float]:
+        """Per round of a closed window, its share, or 1 (all the cores) in a slow spell."""
+        return [1.0 if s else x for x, s in zip(self.shares, self.slow(), strict=False)]
+
     def quiet(self) -> int:
-        return sum(x < QUIET_SHARE for x in self.shares)
+        return sum(x < QUIET_SHARE for x in self.effective())
 
     def selection(self) -> list[int]:
         """Indices of the rounds to keep (every window closed first)."""
         self._close_window()
-        return kept_rounds(self.shares)
+        return kept_rounds(self.effective())
+
+
+def _probe(model: nn.Module) -> tuple[Callable[[], float], float] | None:
+    """The local CPU's slow-spell probe and its reference time per op (the planner's
+    measured figure at this thread count, when this process has it; else none but the
+    probes' own least), or None for a model on another device."""
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type != "cpu":
+        return None
+    from planner.devices import cpu_speed
+
+    speed = cpu_speed.known(torch.get_num_threads())
+    ref = speed.op_overhead_s if speed is not None else float("inf")
+    return (lambda: cpu_speed.op_time_s(PROBE_LOOPS, 3)), ref
 
 
 def _harness_overhead(rounds: int = 60) -> tuple[float, float]:

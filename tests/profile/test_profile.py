@@ -181,6 +181,40 @@ def test_loaded_rounds_are_left_out() -> None:
     assert busy.selection() == [1, 3]
 
 
+def test_rounds_in_a_slow_spell_are_left_out() -> None:
+    """[Note: a slow spell in the rounds]: a round whose probe took 1.4 times the machine's
+    time per op (the least of its figure and every probe) counts as loaded, though no
+    other process ran."""
+    from planner.profile.timing import RoundLoad
+
+    load = RoundLoad(probe=(lambda: 0.0, 1e-6))
+    load.shares = [0.0] * 5
+    load.probes = [1.1e-6, 1.0e-6, 2.3e-6, 1.3e-6, 1.5e-6]
+    assert load.selection() == [0, 1, 3] and load.quiet() == 3
+    fast = RoundLoad(probe=(lambda: 0.0, 2e-6))  # a figure kept from a slow day: the probes'
+    fast.shares, fast.probes = [0.0] * 4, [1.0e-6, 1.1e-6, 2.2e-6, 1.05e-6]
+    assert fast.selection() == [0, 1, 3]
+    spell = RoundLoad(probe=(lambda: 0.0, 1e-6))  # every round slow: the least loaded half
+    spell.shares, spell.probes = [0.0, 0.05, 0.0, 0.0], [2e-6] * 4
+    assert spell.quiet() == 0 and spell.selection() == [0, 1]
+
+
+def test_a_profile_in_a_slow_spell_goes_on_for_quiet_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every probe twice the machine's time per op: no round is quiet, so the timed rounds
+    go on to their most (``MAX_REPEATS``) and the profile says so."""
+    from planner.profile import timing
+
+    monkeypatch.setattr(timing, "_probe", lambda model: (lambda: 2e-6, 1e-6))
+    model = Net()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    prof = profile_model(model, (x,), targets=y, loss_fn=F.cross_entropy, options=FAST)
+    check = prof.split_check
+    assert check is not None and check.quiet == 0
+    assert check.rounds == timing.MAX_REPEATS
+
+
 def test_analytic_profiles_of_a_meta_model_equal_those_of_cpu_tensors() -> None:
     # A model too big for RAM is profiled on the meta device: every storage's data_ptr()
     # is 0 there, so saved tensors must be told apart another way, and the backward's
