@@ -49,9 +49,11 @@ MAX_REPEATS = 50
 MAX_MEASURE_S = 15.0
 """On a busy machine, rounds go on for at most this long waiting for quiet ones."""
 SLOW_SPELL = 1.4
-"""A timed round is in a slow spell when a 1-element add after it took this many times
-the machine's time per op ([Note: a slow spell in the rounds])."""
+"""A timed round is in a slow spell when the slower of its probes (1-element adds, before
+and after it) took this many times the machine's time per op ([Note: a slow spell in the
+rounds])."""
 PROBE_LOOPS = 100
+"""1-element adds per run of a probe (three runs, the fastest kept: about 0.4 ms)."""
 
 
 def measure_blocks(
